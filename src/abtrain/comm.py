@@ -1,0 +1,282 @@
+"""The one place where collectives run and where bytes are counted.
+
+Every method (DDP through its communication hook, AB-training, the baselines)
+sends its traffic through a :class:`Communicator`; the communicator's
+:class:`Ledger` records each call: op, process group (name, size, scope),
+dtype, numel, payload bytes, modelled wire bytes, training phase and time.
+
+Wire-byte model (bytes *sent per worker*, for a group of ``p`` workers and a
+payload of ``b`` bytes = the tensor handed to the collective by one worker):
+
+=================  =====================  =======================================
+op                 wire bytes per worker  why
+=================  =====================  =======================================
+all_reduce         2(p-1)/p * b           ring: reduce-scatter then all-gather
+reduce_scatter     (p-1)/p * b            ring: b is the full input tensor
+all_gather         (p-1) * b              ring: b is one worker's contribution
+broadcast          (p-1)/p * b            pipelined ring: the p-1 receivers' b,
+                                          spread over p senders
+=================  =====================  =======================================
+
+With ``p == 1`` nothing leaves the worker: wire bytes are 0 (the collective is
+skipped altogether, see "single-process is the same code").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+SCOPES = ("global", "group")
+
+
+def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
+    """Modelled bytes one worker sends for ``op`` (see the module table)."""
+    p = group_size
+    if p <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (p - 1) / p * payload_bytes
+    if op in ("reduce_scatter", "broadcast"):
+        return (p - 1) / p * payload_bytes
+    if op == "all_gather":
+        return float((p - 1) * payload_bytes)
+    raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(OPS)}")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A named process group as the ledger sees it.
+
+    ``scope`` is ``global`` when the group spans more than one group of
+    workers (traffic that crosses nodes in the intended deployment) and
+    ``group`` when it stays inside one.
+    """
+
+    name: str
+    size: int
+    scope: str
+    pg: Any = None  # torch ProcessGroup, None when size == 1 or not distributed
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+
+
+@dataclass
+class _Row:
+    calls: int = 0
+    numel: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class Ledger:
+    """Totals of every collective, keyed by (op, group, scope, dtype, phase).
+
+    Aggregated rather than one record per call so that a long run keeps a
+    fixed-size ledger; ``calls`` keeps the count.
+    """
+
+    rows: dict[tuple[str, str, str, str, str], _Row] = field(default_factory=dict)
+    phase: str = "setup"
+    enabled: bool = True
+
+    def record(self, op: str, group: Group, tensor: torch.Tensor, seconds: float) -> tuple[int, float]:
+        payload = tensor.numel() * tensor.element_size()
+        wire = wire_bytes(op, payload, group.size)
+        if self.enabled:
+            key = (op, group.name, group.scope, str(tensor.dtype).removeprefix("torch."), self.phase)
+            row = self.rows.get(key)
+            if row is None:
+                row = self.rows[key] = _Row()
+            row.calls += 1
+            row.numel += tensor.numel()
+            row.payload_bytes += payload
+            row.wire_bytes += wire
+            row.seconds += seconds
+        return payload, wire
+
+    def add_seconds(self, op: str, group: Group, dtype: torch.dtype, phase: str, seconds: float) -> None:
+        row = self.rows.get((op, group.name, group.scope, str(dtype).removeprefix("torch."), phase))
+        if row is not None:
+            row.seconds += seconds
+
+    @contextlib.contextmanager
+    def in_phase(self, label: str) -> Iterator[None]:
+        """Label every collective issued inside the block with ``label``."""
+        previous, self.phase = self.phase, label
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    # -- summaries ---------------------------------------------------------
+    def _sum(self, pred) -> dict[str, float]:
+        out = {"payload_bytes": 0, "wire_bytes": 0.0, "calls": 0, "seconds": 0.0}
+        for key, row in self.rows.items():
+            if pred(key):
+                out["payload_bytes"] += row.payload_bytes
+                out["wire_bytes"] += row.wire_bytes
+                out["calls"] += row.calls
+                out["seconds"] += row.seconds
+        return out
+
+    @property
+    def wire_total(self) -> float:
+        return sum(r.wire_bytes for r in self.rows.values())
+
+    @property
+    def global_wire_total(self) -> float:
+        return sum(r.wire_bytes for k, r in self.rows.items() if k[2] == "global")
+
+    def summary(self) -> dict[str, Any]:
+        """The ``comm`` section of results.json (per worker, summed over the run)."""
+        total = self._sum(lambda k: True)
+        phases = sorted({k[4] for k in self.rows})
+        return {
+            "payload_bytes": total["payload_bytes"],
+            "wire_bytes": total["wire_bytes"],
+            "calls": total["calls"],
+            "seconds": total["seconds"],
+            "by_scope": {s: self._sum(lambda k, s=s: k[2] == s) for s in SCOPES},
+            "by_phase": {p: self._sum(lambda k, p=p: k[4] == p) for p in phases},
+            "by_op": {o: self._sum(lambda k, o=o: k[0] == o) for o in sorted({k[0] for k in self.rows})},
+            "rows": [
+                {"op": k[0], "group": k[1], "scope": k[2], "dtype": k[3], "phase": k[4],
+                 "calls": r.calls, "numel": r.numel, "payload_bytes": r.payload_bytes,
+                 "wire_bytes": r.wire_bytes, "seconds": r.seconds}
+                for k, r in sorted(self.rows.items())
+            ],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "rows": [[list(k), vars(r).copy()] for k, r in self.rows.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.phase = state["phase"]
+        self.rows = {tuple(k): _Row(**r) for k, r in state["rows"]}
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Communicator:
+    """Runs collectives over named groups and records each one in the ledger.
+
+    With a group of size 1 (or no process group at all) every call returns
+    the input unchanged and nothing is recorded: single-process code is the
+    same code with communication skipped.
+    """
+
+    def __init__(self, ledger: Ledger | None = None, device: torch.device | None = None) -> None:
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.device = device or torch.device("cpu")
+
+    @contextlib.contextmanager
+    def _timed(self, op: str, group: Group, tensor: torch.Tensor) -> Iterator[None]:
+        sync = tensor.is_cuda
+        start = time.perf_counter()
+        yield
+        if sync:
+            torch.cuda.synchronize(tensor.device)
+        self.ledger.record(op, group, tensor, time.perf_counter() - start)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum", average: bool = False) -> torch.Tensor:
+        """In-place all-reduce (``op``: sum, max, min); ``average`` divides a sum by the group size."""
+        if group.size <= 1:
+            return tensor
+        with self._timed("all_reduce", group, tensor):
+            dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg)
+        if average:
+            tensor.div_(group.size)
+        return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor, group: Group, average: bool = True) -> torch.futures.Future:
+        """Asynchronous sum all-reduce returning a Future of the (averaged) tensor.
+
+        This is the seam for DDP communication hooks: DDP keeps its own
+        bucketing and overlap; the ledger records each bucket. Time is
+        recorded when the future completes (issue to completion).
+        """
+        if group.size <= 1:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(tensor)
+            return fut
+        if average:
+            tensor.div_(group.size)
+        phase = self.ledger.phase
+        start = time.perf_counter()
+        self.ledger.record("all_reduce", group, tensor, 0.0)
+        work = dist.all_reduce(tensor, group=group.pg, async_op=True)
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            self.ledger.add_seconds("all_reduce", group, tensor.dtype, phase, time.perf_counter() - start)
+            return fut.value()[0]
+
+        return work.get_future().then(done)
+
+    def broadcast(self, tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+        """In-place broadcast from global rank ``src`` (which must belong to ``group``)."""
+        if group.size <= 1:
+            return tensor
+        with self._timed("broadcast", group, tensor):
+            dist.broadcast(tensor, src=src, group=group.pg)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
+        """Gather one tensor from every member; returns them in group-rank order."""
+        if group.size <= 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(group.size)]
+        with self._timed("all_gather", group, tensor):
+            dist.all_gather(out, tensor, group=group.pg)
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: Group, average: bool = False) -> torch.Tensor:
+        """Sum ``tensor`` (numel divisible by the group size) over the group; return this worker's chunk."""
+        if group.size <= 1:
+            return tensor
+        if tensor.numel() % group.size:
+            raise ValueError(f"reduce_scatter needs numel divisible by {group.size}, got {tensor.numel()}")
+        out = torch.empty(tensor.numel() // group.size, dtype=tensor.dtype, device=tensor.device)
+        with self._timed("reduce_scatter", group, tensor):
+            dist.reduce_scatter_tensor(out, tensor.reshape(-1), group=group.pg)
+        if average:
+            out.div_(group.size)
+        return out
+
+    # -- flat-buffer helpers: one collective per dtype ---------------------
+    def all_reduce_tensors(self, tensors: Sequence[torch.Tensor], group: Group, average: bool = True) -> None:
+        """Average (or sum) several tensors in place through one flat buffer per dtype."""
+        self._packed(tensors, group, lambda flat: self.all_reduce(flat, group, average=average))
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], group: Group, src: int = 0) -> None:
+        """Broadcast several tensors in place through one flat buffer per dtype."""
+        self._packed(tensors, group, lambda flat: self.broadcast(flat, group, src=src))
+
+    @staticmethod
+    @torch.no_grad()
+    def _packed(tensors: Sequence[torch.Tensor], group: Group, collective) -> None:
+        if group.size <= 1 or not tensors:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same_dtype in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same_dtype])
+            collective(flat)
+            offset = 0
+            for t in same_dtype:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

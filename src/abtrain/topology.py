@@ -1,0 +1,150 @@
+"""Rank, world, groups of workers and their process groups, in one object.
+
+Models and methods never build process groups themselves: they ask the
+:class:`Topology` for a named :class:`~abtrain.comm.Group`, whose ``scope``
+tells the ledger whether its traffic stays inside one group of workers
+(``group``; one node in the intended deployment) or crosses groups
+(``global``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .comm import Group
+
+log = logging.getLogger(__name__)
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+@dataclass
+class Topology:
+    """Where this worker sits: rank, world size, its group, device and backend.
+
+    ``group_size`` workers form one group (default: the workers of one node,
+    LOCAL_WORLD_SIZE). Groups are contiguous ranks: group ``k`` holds ranks
+    ``k*g .. k*g+g-1``.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_size: int | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "gloo"
+    _groups: dict[str, Group] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.group_size is None:
+            self.group_size = self.local_world_size
+        g = self.group_size
+        if g < 1:
+            raise ValueError(f"group size must be >= 1, got {g}")
+        if self.world_size % g:
+            raise ValueError(
+                f"{self.world_size} workers cannot be split into groups of {g}: "
+                f"choose a --group-size that divides the number of workers")
+
+    @property
+    def num_groups(self) -> int:
+        return self.world_size // self.group_size
+
+    @property
+    def group_index(self) -> int:
+        return self.rank // self.group_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.world_size > 1
+
+    @property
+    def world(self) -> Group:
+        """Every worker. Scope ``global`` as soon as there is more than one group."""
+        if "world" not in self._groups:
+            scope = "global" if self.num_groups > 1 else "group"
+            pg = dist.group.WORLD if self.is_distributed else None
+            self._groups["world"] = Group("world", self.world_size, scope, pg, tuple(range(self.world_size)))
+        return self._groups["world"]
+
+    @property
+    def group(self) -> Group:
+        """The workers of this worker's group (scope ``group``)."""
+        if "group" not in self._groups:
+            self._build_subgroups()
+        return self._groups["group"]
+
+    def _build_subgroups(self) -> None:
+        g = self.group_size
+        ranks = tuple(range(self.group_index * g, self.group_index * g + g))
+        if g == self.world_size:
+            pg = dist.group.WORLD if self.is_distributed else None
+        elif g == 1 or not self.is_distributed:
+            pg = None
+        else:
+            # new_subgroups is collective: every rank creates every subgroup, in order.
+            pg, _ = dist.new_subgroups(group_size=g)
+        self._groups["group"] = Group("group", g, "group", pg, ranks)
+
+    def subgroup(self, name: str, ranks_per_group: list[list[int]], scope: str) -> Group:
+        """A cached custom partition of the world (every rank must call this, same arguments).
+
+        Returns the member that contains this rank. Used, e.g., to reduce over
+        the A-groups only.
+        """
+        if name not in self._groups:
+            mine: Group | None = None
+            for ranks in ranks_per_group:
+                pg = dist.new_group(ranks) if self.is_distributed and len(ranks) > 1 else None
+                if self.rank in ranks:
+                    mine = Group(name, len(ranks), scope, pg, tuple(ranks))
+            if mine is None:
+                mine = Group(name, 1, scope, None, (self.rank,))
+            self._groups[name] = mine
+        return self._groups[name]
+
+    # -- construction ------------------------------------------------------
+    @classmethod
+    def from_env(cls, backend: str = "auto", device: str = "auto", group_size: int | None = None,
+                 timeout_s: float = 300.0) -> "Topology":
+        """Join the world described by torchrun's variables (RANK, WORLD_SIZE, ...).
+
+        Initialises the default process group when there is more than one
+        worker; a world of one runs without any process group.
+        """
+        rank = _env_int("RANK", 0)
+        world = _env_int("WORLD_SIZE", 1)
+        local_rank = _env_int("LOCAL_RANK", 0)
+        local_world = _env_int("LOCAL_WORLD_SIZE", world)
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        if backend == "auto":
+            backend = "nccl" if use_cuda else "gloo"
+        if backend == "nccl" and not use_cuda:
+            raise ValueError("the nccl backend needs CUDA devices; use --backend gloo on CPU")
+        dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(dev)
+        if world > 1 and not dist.is_initialized():
+            kwargs = {"device_id": dev} if backend == "nccl" else {}
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        topo = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                   group_size=group_size, device=dev, backend=backend)
+        # Subgroup creation is collective: build them now, on every rank, in one order.
+        topo.world, topo.group
+        return topo
+
+    def close(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,323 @@
+"""The worker: build, train_step, evaluate, results, close."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import Communicator, Ledger
+from .config import TrainConfig
+from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
+from .methods import build_method
+from .models import build_model, count_parameters
+from .results import (TensorBoard, human_bytes, peak_rss_bytes, summary_table, write_json,
+                      write_metrics_csv, write_status)
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def method_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The options of ``cfg.method`` taken from the flat config."""
+    if cfg.method == "ddp":
+        return {"bucket_cap_mb": cfg.bucket_cap_mb}
+    return {}
+
+
+def default_run_dir(cfg: TrainConfig) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{cfg.method}-{cfg.model}-{cfg.dataset}-{stamp}")
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum or AdamW; no weight decay on 1-D parameters (biases, norms)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999))
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    """Linear warm-up, then cosine decay to zero (or constant)."""
+    warm = cfg.warmup_lr_steps
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
+    """Every check that can fail on user input, before any worker starts."""
+    ds = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, block_size=cfg.block_size,
+                      limit_train=cfg.limit_train, limit_test=cfg.limit_test)
+    shard = len(ds.train) // world_size
+    if cfg.batch_size > shard:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than each worker's shard of the training set "
+                         f"({len(ds.train)} samples / {world_size} workers = {shard}); use a smaller batch or fewer workers")
+    build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
+    if cfg.method not in _method_names():
+        raise ValueError(f"unknown method {cfg.method!r}; choose one of: {', '.join(_method_names())}")
+    if cfg.group_size is not None and world_size % cfg.group_size:
+        raise ValueError(f"{world_size} workers cannot be split into groups of {cfg.group_size}: "
+                         f"choose a --group-size that divides the number of workers")
+    return ds
+
+
+def _method_names() -> list[str]:
+    from .methods import METHODS
+    return list(METHODS)
+
+
+class Progress:
+    """Rank 0's progress: a bar on a terminal, plain periodic lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int, every: int | None) -> None:
+        self.enabled = enabled
+        self.total = total
+        self.every = every or max(1, total // 20)
+        self.bar = None
+        self.start = time.perf_counter()
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def step(self, step: int, info: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        text = (f"phase {info['phase']} loss {info['loss']:.4f} "
+                f"wire {human_bytes(info['wire'])} (global {human_bytes(info['global'])})")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(text, refresh=False)
+        elif step % self.every == 0 or step == self.total:
+            elapsed = time.perf_counter() - self.start
+            eta = elapsed / step * (self.total - step)
+            print(f"step {step}/{self.total} ({100 * step / self.total:.0f}%) {text} "
+                  f"{step / elapsed:.1f} steps/s eta {eta:.0f}s", flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Trainer:
+    """One worker's training run."""
+
+    def __init__(self, cfg: TrainConfig, topo: Topology, run_dir: str) -> None:
+        self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
+        self.is_main = topo.rank == 0
+        torch.set_num_threads(cfg.threads or max(1, len(os.sched_getaffinity(0)) // topo.local_world_size))
+        self.dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, block_size=cfg.block_size,
+                                    limit_train=cfg.limit_train, limit_test=cfg.limit_test)
+        self.ledger = Ledger(enabled=cfg.ledger)
+        self.comm = Communicator(self.ledger, topo.device)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every worker
+        self.model = build_model(cfg.model, self.dataset).to(topo.device)
+        self.params = count_parameters(self.model)
+        torch.manual_seed(cfg.seed * 1000 + 1 + topo.rank)  # per-worker stream (dropout)
+        self.method = build_method(cfg.method, self.comm, topo, **method_options(cfg))
+        self.forward_module = self.method.prepare(self.model)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.steps_per_epoch = steps_per_epoch(len(self.dataset.train), topo.world_size, cfg.batch_size)
+        self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self._train_loss_sum = 0.0
+        self._train_loss_count = 0
+        self.wall = 0.0
+
+    # -- the loop ----------------------------------------------------------
+    def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.dataset.task == "lm":
+            output, y = output.reshape(-1, output.shape[-1]), y.reshape(-1)
+        return F.cross_entropy(output, y, label_smoothing=self.cfg.label_smoothing)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.ledger.phase = self.method.phase
+        self.forward_module.train()
+        x, y = x.to(self.topo.device, non_blocking=True), y.to(self.topo.device, non_blocking=True)
+        loss = self.loss(self.forward_module(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip is not None:
+            # Called from the pre-step hook path would be too late for DDP; its grads are averaged here already.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        value = loss.detach().item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the training loss became {value} at step {self.step}; lower --lr or set --grad-clip")
+        self._train_loss_sum += value
+        self._train_loss_count += 1
+        return value
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Test loss and accuracy over the whole test split, each worker a disjoint part, reduced over all."""
+        with self.ledger.in_phase("eval"):
+            self.method.sync_buffers()
+            self.forward_module.eval()
+            test = self.dataset.test
+            mine = torch.arange(self.topo.rank, len(test), self.topo.world_size)
+            loss_sum = correct = count = 0.0
+            for chunk in mine.split(max(256, self.cfg.batch_size)):
+                x, y = test.x[chunk].to(self.topo.device), test.y[chunk].to(self.topo.device)
+                out = self.model(x)
+                if self.dataset.task == "lm":
+                    out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+                loss_sum += F.cross_entropy(out, y, reduction="sum").item()
+                correct += (out.argmax(-1) == y).sum().item()
+                count += y.numel()
+            totals = torch.tensor([loss_sum, correct, count, self._train_loss_sum, self._train_loss_count],
+                                  dtype=torch.float64, device=self.topo.device)
+            self.comm.all_reduce(totals, self.topo.world)
+        loss_sum, correct, count, tl_sum, tl_count = totals.tolist()
+        self._train_loss_sum, self._train_loss_count = 0.0, 0
+        test_loss = loss_sum / max(1.0, count)
+        row = {
+            "step": self.step,
+            "epoch": round(self.step / self.steps_per_epoch, 4),
+            "test_accuracy": correct / max(1.0, count),
+            "test_loss": test_loss,
+            "test_perplexity": math.exp(min(test_loss, 50.0)) if self.dataset.task == "lm" else None,
+            "train_loss": tl_sum / tl_count if tl_count else None,
+            "wire_bytes": self.ledger.wire_total,
+            "global_wire_bytes": self.ledger.global_wire_total,
+            "wall_seconds": self.wall,
+            "lr": self.scheduler.get_last_lr()[0],
+            "phase": self.method.phase,
+        }
+        self.history.append(row)
+        return row
+
+    def run(self) -> dict[str, Any] | None:
+        cfg = self.cfg
+        if self.is_main:
+            print(f"abtrain: {cfg.method} | model {cfg.model} ({self.params:,} parameters) | {cfg.dataset} "
+                  f"({len(self.dataset.train):,} train / {len(self.dataset.test):,} test) | "
+                  f"{self.topo.world_size} workers ({self.topo.backend}, {self.topo.device.type}) | "
+                  f"{self.total_steps} steps ({self.steps_per_epoch} per epoch) | run dir {self.run_dir}", flush=True)
+        progress = Progress(self.is_main, self.total_steps, cfg.log_every)
+        tb = TensorBoard(self.run_dir) if self.is_main else None
+        eval_every = cfg.eval_every or self.steps_per_epoch
+        start = time.perf_counter()
+        with self.method.attach(self.optimizer):
+            epoch = 0
+            while self.step < self.total_steps:
+                order = shard_indices(len(self.dataset.train), self.topo.rank, self.topo.world_size, epoch, cfg.seed)
+                for x, y in batches(self.dataset.train, order, cfg.batch_size):
+                    loss = self.train_step(x, y)
+                    progress.step(self.step, {"phase": self.method.phase, "loss": loss,
+                                              "wire": self.ledger.wire_total, "global": self.ledger.global_wire_total})
+                    if self.step % eval_every == 0 or self.step == self.total_steps:
+                        self.wall = time.perf_counter() - start
+                        row = self.evaluate()
+                        progress.message(_eval_line(row))
+                        if tb is not None:
+                            tb.add(row)
+                    if self.step >= self.total_steps:
+                        break
+                epoch += 1
+        progress.close()
+        self.wall = time.perf_counter() - start
+        return self.finish(tb)
+
+    def finish(self, tb: TensorBoard | None) -> dict[str, Any] | None:
+        with self.ledger.in_phase("eval"):
+            rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=self.topo.device)
+            self.comm.all_reduce(rss, self.topo.world, op="max")
+        if tb is not None:
+            tb.close()
+        if not self.is_main:
+            return None
+        last = self.history[-1]
+        results = {
+            "status": "complete",
+            "method": self.cfg.method,
+            "model": self.cfg.model,
+            "dataset": self.cfg.dataset,
+            "world_size": self.topo.world_size,
+            "group_size": self.topo.group_size,
+            "backend": self.topo.backend,
+            "device": self.topo.device.type,
+            "steps": self.step,
+            "epochs": round(self.step / self.steps_per_epoch, 4),
+            "steps_per_epoch": self.steps_per_epoch,
+            "params": self.params,
+            "final": {k: last[k] for k in ("test_accuracy", "test_loss", "test_perplexity", "train_loss")},
+            "wall_seconds": self.wall,
+            "peak_rss_bytes": int(rss.item()),
+            "comm": self.ledger.summary(),
+            "method_details": self.method.extra_results(),
+            "history": self.history,
+            "config": self.cfg.to_dict(),
+            "torch_version": torch.__version__,
+        }
+        write_metrics_csv(os.path.join(self.run_dir, "metrics.csv"), self.history)
+        write_json(os.path.join(self.run_dir, "results.json"), results)
+        write_status(self.run_dir, "complete")
+        print(summary_table(results, self.run_dir), flush=True)
+        return results
+
+    def close(self) -> None:
+        self.topo.close()
+
+
+def _eval_line(row: dict[str, Any]) -> str:
+    text = (f"eval step {row['step']} epoch {row['epoch']:.2f}: test accuracy {100 * row['test_accuracy']:.2f} % "
+            f"test loss {row['test_loss']:.4f}")
+    if row["test_perplexity"] is not None:
+        text += f" perplexity {row['test_perplexity']:.2f}"
+    if row["train_loss"] is not None:
+        text += f" train loss {row['train_loss']:.4f}"
+    return text + f" wire {human_bytes(row['wire_bytes'])}"
+
+
+def worker_main(cfg_dict: dict[str, Any], run_dir: str) -> None:
+    """Entry point of one worker process (local launcher, torchrun or srun)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = TrainConfig(**cfg_dict)
+    topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=cfg.group_size,
+                             timeout_s=cfg.timeout)
+    try:
+        trainer = Trainer(cfg, topo, run_dir)
+        trainer.run()
+    except (ValueError, FloatingPointError) as exc:
+        if topo.rank == 0:
+            write_status(run_dir, "failed", error=str(exc))
+        raise SystemExit(2) from None
+    except Exception as exc:
+        # Print the traceback here: the launcher keeps its own logging quiet.
+        traceback.print_exc()
+        if topo.rank == 0:
+            write_status(run_dir, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    finally:
+        topo.close()
