@@ -1,0 +1,70 @@
+"""Byte formulas, the ledger's bookkeeping, and single-process communication (skipped collectives)."""
+
+import pytest
+import torch
+
+from abtrain.comm import Communicator, Group, Ledger, wire_bytes
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_wire_formulas(p):
+    b = 1000
+    assert wire_bytes("all_reduce", b, p) == pytest.approx(2 * (p - 1) / p * b)
+    assert wire_bytes("reduce_scatter", b, p) == pytest.approx((p - 1) / p * b)
+    assert wire_bytes("broadcast", b, p) == pytest.approx((p - 1) / p * b)
+    assert wire_bytes("all_gather", b, p) == pytest.approx((p - 1) * b)
+
+
+def test_single_worker_sends_nothing():
+    assert wire_bytes("all_reduce", 4096, 1) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        wire_bytes("gossip", 1, 2)
+
+
+def test_ledger_aggregates_by_scope_and_phase():
+    ledger = Ledger()
+    world = Group("world", 4, "global")
+    node = Group("group", 2, "group")
+    t32 = torch.zeros(10)
+    t16 = torch.zeros(8, dtype=torch.bfloat16)
+    with ledger.in_phase("train"):
+        ledger.record("all_reduce", world, t32, 0.5)
+        ledger.record("all_reduce", world, t32, 0.25)
+        ledger.record("all_reduce", node, t16, 0.0)
+    with ledger.in_phase("sync"):
+        ledger.record("broadcast", world, t32, 0.0)
+    assert ledger.phase == "setup"
+    s = ledger.summary()
+    assert s["calls"] == 4
+    assert s["payload_bytes"] == 40 + 40 + 16 + 40
+    assert s["by_scope"]["global"]["wire_bytes"] == pytest.approx(2 * 1.5 * 40 + 0.75 * 40)
+    assert s["by_scope"]["group"]["wire_bytes"] == pytest.approx(16.0)
+    assert s["by_phase"]["train"]["payload_bytes"] == 96
+    assert s["by_phase"]["sync"]["payload_bytes"] == 40
+    assert s["by_phase"]["train"]["seconds"] == pytest.approx(0.75)
+    restored = Ledger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.summary() == s
+
+
+def test_disabled_ledger_records_nothing():
+    ledger = Ledger(enabled=False)
+    ledger.record("all_reduce", Group("world", 4, "global"), torch.zeros(3), 0.0)
+    assert ledger.summary()["calls"] == 0
+
+
+def test_single_process_is_same_code_with_communication_skipped():
+    comm = Communicator()
+    solo = Group("world", 1, "group")
+    t = torch.arange(6.0)
+    assert comm.all_reduce(t, solo, average=True) is t
+    assert torch.equal(t, torch.arange(6.0))
+    assert comm.all_gather(t, solo)[0] is t
+    comm.all_reduce_tensors([t], solo)
+    assert comm.all_reduce_async(t, solo).wait() is t
+    assert comm.ledger.summary()["calls"] == 0
+
+
+def test_group_scope_is_validated():
+    with pytest.raises(ValueError, match="scope"):
+        Group("world", 2, "planet")

@@ -1,0 +1,70 @@
+"""DDP on real gloo worlds: identical workers, exact byte counts, reproducibility."""
+
+import tempfile
+
+import pytest
+import torch
+
+from abtrain.config import TrainConfig
+from abtrain.topology import Topology
+from abtrain.train import Trainer
+from helpers import run_world
+
+
+def _train(cfg_dict, run_dir):
+    cfg = TrainConfig(**cfg_dict)
+    topo = Topology.from_env(backend="gloo", device="cpu", group_size=cfg.group_size)
+    trainer = Trainer(cfg, topo, run_dir)
+    results = trainer.run()
+    state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    out = {"state": state, "summary": trainer.ledger.summary(), "results": results,
+           "params": trainer.params, "steps": trainer.step, "evals": len(trainer.history),
+           "float_buffers": sum(b.numel() for b in trainer.model.buffers() if b.is_floating_point()),
+           "other_buffers_bytes": sum(b.numel() * b.element_size() for b in trainer.model.buffers()
+                                      if not b.is_floating_point())}
+    topo.close()
+    return out
+
+
+def _cfg(fashion_dir, **kw):
+    base = dict(method="ddp", model="cnn", dataset="fashion-mnist", data_dir=str(fashion_dir), steps=6,
+                batch_size=16, eval_every=3, limit_test=64, log_every=100, lr=0.05, seed=3)
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_workers_identical_and_bytes_exact(fashion_dir, world):
+    with tempfile.TemporaryDirectory() as run_dir:
+        outs = run_world(_train, world, _cfg(fashion_dir, group_size=2 if world == 4 else None), run_dir)
+    ref = outs[0]["state"]
+    for o in outs[1:]:
+        assert o["state"].keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(o["state"][k], ref[k]), f"{k} differs between workers"
+    o = outs[0]
+    s = o["summary"]
+    P, steps = o["params"], o["steps"]
+    # Gradients: exactly one fp32 copy of every parameter per step, nothing else in the train phase.
+    assert s["by_phase"]["train"]["payload_bytes"] == 4 * P * steps
+    assert s["by_phase"]["train"]["wire_bytes"] == pytest.approx(2 * (world - 1) / world * 4 * P * steps)
+    # Start: rank 0's parameters and buffers broadcast once.
+    assert s["by_phase"]["setup"]["payload_bytes"] == 4 * (P + o["float_buffers"]) + o["other_buffers_bytes"]
+    # Each evaluation: BatchNorm statistics averaged, 5 float64 totals; at the end one peak-RSS max.
+    assert s["by_phase"]["eval"]["payload_bytes"] == o["evals"] * (4 * o["float_buffers"] + 5 * 8) + 8
+    assert s["payload_bytes"] == sum(v["payload_bytes"] for v in s["by_phase"].values())
+    scope = "global" if world == 4 else "group"  # 4 workers in groups of 2 cross groups; 2 in one group do not
+    assert s["by_scope"][scope]["wire_bytes"] == pytest.approx(s["wire_bytes"])
+    r = o["results"]
+    assert r["comm"]["wire_bytes"] == pytest.approx(s["wire_bytes"])
+    assert len(r["history"]) == o["evals"] == 2
+    assert all(out["results"] is None for out in outs[1:])
+
+
+def test_same_seed_same_weights(fashion_dir):
+    finals = []
+    for _ in range(2):
+        with tempfile.TemporaryDirectory() as run_dir:
+            finals.append(run_world(_train, 2, _cfg(fashion_dir, model="resnet", steps=4), run_dir)[0]["state"])
+    for k in finals[0]:
+        assert torch.equal(finals[0][k], finals[1][k]), k
