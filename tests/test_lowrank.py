@@ -1,0 +1,478 @@
+"""Single-process invariants of abtrain.lowrank: factorisation, rank rules, optimizer state, counts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from abtrain import lowrank as lr
+
+
+# ---------------------------------------------------------------------------
+# Small models
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)))
+
+    @staticmethod
+    def example() -> torch.Tensor:
+        return torch.randn(5, 8)
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.grouped = nn.Conv2d(8, 16, 3, padding=1, groups=2)
+        self.bn = nn.BatchNorm2d(16)
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.conv1d = nn.Conv1d(16, 12, 3, padding=1)
+        self.conv3d = nn.Conv3d(16, 8, (1, 3, 3), padding=(0, 1, 1))
+        self.head = nn.Linear(12 + 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.grouped(self.stem(x))))
+        x = self.depthwise(x)
+        y = self.conv1d(x.flatten(2)).mean(-1)
+        z = self.conv3d(x.unsqueeze(2)).mean((2, 3, 4))
+        return self.head(torch.cat([y, z], 1))
+
+    @staticmethod
+    def example() -> torch.Tensor:
+        return torch.randn(2, 3, 6, 6)
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, 16)
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.ff = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(torch.relu(self.ff(h))).mean(1)
+
+    @staticmethod
+    def example() -> torch.Tensor:
+        return torch.randn(2, 5, 6)
+
+
+MODELS = [MLP, CNN, Attn]
+
+
+def _build(cls: type[nn.Module], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return cls().eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# ---------------------------------------------------------------------------
+# Preparation
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_prepare_keeps_outputs_bit_identical(cls):
+    model = _build(cls)
+    x = cls.example()
+    with torch.no_grad():
+        before = model(x)
+    records = lr.prepare_model(model)
+    with torch.no_grad():
+        after = model(x)
+    assert torch.equal(before, after)
+    assert records and all(fp.mode == "full" and fp.rank == 0 for fp in records)
+    names = [fp.name for fp in records]
+    assert not any(n.startswith(("stem.", "head.")) for n in names)
+    # Placeholders are already parameters, so an optimizer built now covers the factors.
+    params = {id(p) for p in model.parameters()}
+    assert all(id(fp.A) in params and id(fp.B) in params for fp in records)
+
+
+def test_prepare_finds_every_kind_of_weight():
+    assert [fp.name for fp in lr.prepare_model(_build(MLP))] == ["body.0.weight", "body.2.weight"]
+    cnn = lr.prepare_model(_build(CNN))
+    assert [fp.name for fp in cnn] == ["grouped.weight", "depthwise.weight", "conv1d.weight", "conv3d.weight"]
+    assert [(fp.m, fp.n) for fp in cnn] == [(16, 36), (16, 9), (12, 48), (8, 144)]
+    assert [fp.name for fp in lr.prepare_model(_build(Attn))] == [
+        "attn.in_proj_weight",
+        "attn.out_proj.weight",
+        "ff.weight",
+    ]
+
+
+def test_prepare_rejects_models_with_nothing_to_factorise():
+    model = nn.Module()
+    model.stem = nn.Linear(4, 4)
+    model.head = nn.Linear(4, 2)
+    model.tok_emb = nn.Embedding(10, 4)
+    with pytest.raises(ValueError, match="nothing to factorise.*stem.weight.*'stem.\\*'"):
+        lr.prepare_model(model)
+    # Without patterns the same model has work to do (the embedding stays excluded).
+    assert [fp.name for fp in lr.prepare_model(model, full_rank_patterns=())] == ["stem.weight", "head.weight"]
+
+
+def test_prepare_twice_is_refused():
+    model = _build(MLP)
+    lr.prepare_model(model)
+    with pytest.raises(ValueError, match="already prepared"):
+        lr.prepare_model(model)
+
+
+# ---------------------------------------------------------------------------
+# Decomposition
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_full_rank_decompose_reconstructs(cls):
+    model = _build(cls)
+    x = cls.example()
+    records = lr.prepare_model(model)
+    with torch.no_grad():
+        ref = model(x)
+    originals = [fp.weight.detach().clone() for fp in records]
+    for fp in records:
+        lr.decompose(fp)
+        assert fp.mode == "lowrank" and fp.rank == min(fp.m, fp.n)
+    for fp, w in zip(records, originals):
+        assert _rel(fp.effective_weight(), w) <= 1e-5
+    with torch.no_grad():
+        assert _rel(model(x), ref) <= 1e-5
+    for fp in records:
+        lr.recompose(fp)
+        assert fp.mode == "full"
+        assert torch.equal(fp.weight, (fp.A @ fp.B).reshape(fp.shape))
+
+
+def test_sigma_split_puts_sigma_in_the_trained_factor():
+    model = _build(MLP)
+    fp = lr.prepare_model(model)[0]
+    u, s, vh = torch.linalg.svd(fp.weight.detach(), full_matrices=False)
+    r = 5
+    truncated = u[:, :r] @ torch.diag(s[:r]) @ vh[:r]
+    lr.decompose(fp, r, split="sigma", trained="A")
+    # Columns of A carry σ (norm σ_i); rows of B are orthonormal.
+    torch.testing.assert_close(fp.A.norm(dim=0), s[:r], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fp.B @ fp.B.T, torch.eye(r), rtol=0, atol=1e-5)
+    torch.testing.assert_close(fp.A @ fp.B, truncated, rtol=0, atol=1e-5)
+    lr.recompose(fp)
+    fp.weight.data.copy_(u @ torch.diag(s) @ vh)
+    lr.decompose(fp, r, split="sigma", trained="B")
+    torch.testing.assert_close(fp.B.norm(dim=1), s[:r], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fp.A.T @ fp.A, torch.eye(r), rtol=0, atol=1e-5)
+    torch.testing.assert_close(fp.A @ fp.B, truncated, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="trained"):
+        lr.decompose(fp, r, split="sigma")
+
+
+def test_sqrt_split_balances_the_factors():
+    fp = lr.prepare_model(_build(MLP))[1]
+    s = lr.svd(fp).S
+    lr.decompose(fp, 4)
+    torch.testing.assert_close(fp.A.norm(dim=0), s[:4].sqrt(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fp.B.norm(dim=1), s[:4].sqrt(), rtol=1e-5, atol=1e-6)
+
+
+def test_decompose_keeps_parameter_identity_and_rejects_bad_ranks():
+    fp = lr.prepare_model(_build(MLP))[0]
+    a, b = fp.A, fp.B
+    lr.decompose(fp, 3)
+    assert fp.A is a and fp.B is b and a.shape == (32, 3) and b.shape == (3, 16)
+    with pytest.raises(ValueError, match="rank"):
+        lr.decompose(fp, 17)
+    with pytest.raises(ValueError, match="rank"):
+        lr.decompose(fp, 0)
+
+
+def test_svd_of_non_finite_weight_names_the_layer():
+    fp = lr.prepare_model(_build(MLP))[0]
+    fp.weight.data[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="body.0.weight"):
+        lr.svd(fp)
+
+
+def test_decompose_all_keeps_layers_that_do_not_pay_full():
+    model = _build(MLP)
+    records = lr.prepare_model(model)
+    svds = [lr.svd(fp) for fp in records]
+    # 32x16: r(m+n) = 48r < 512 pays up to r = 10; at r = 11 it does not.
+    assert lr.decompose_all(records, [10, 11], svds) == [True, False]
+    assert [fp.mode for fp in records] == ["lowrank", "full"]
+    assert "does not pay" in records[1].param.note
+    # The untruncated first decomposition skips the check.
+    assert lr.decompose_all(records, [None, None], min_compression=None) == [True, True]
+
+
+def test_state_dict_round_trip_restores_factors_and_mode():
+    model = _build(CNN)
+    records = lr.prepare_model(model)
+    for fp in records:
+        lr.decompose(fp, 2)
+    sd = model.state_dict()
+    assert "grouped.parametrizations.weight.original" in sd
+    assert sd["grouped.parametrizations.weight.0.A"].shape == (16, 2)
+    x = CNN.example()
+    fresh = _build(CNN, seed=1)
+    fresh_records = lr.prepare_model(fresh)
+    fresh.load_state_dict(sd)
+    assert [fp.mode for fp in fresh_records] == ["lowrank"] * 4
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+
+
+# ---------------------------------------------------------------------------
+# Rank rules
+
+
+def test_rank_rules():
+    sigma = torch.tensor([10.0, 5.0, 2.0, 1.5, 1.0, 0.1])
+    # τ = 0.15: σ_i > 1.5 -> 10, 5, 2 (1.5 is not strictly greater).
+    assert lr.choose_rank(sigma, tau=0.15) == 3
+    assert lr.choose_rank(sigma, tau=0.99) == 1
+    assert lr.choose_rank(sigma, rank=4) == 4
+    assert lr.choose_rank(sigma, rank=100) == 6
+    assert lr.choose_rank(sigma, fraction=0.5) == 3
+    assert lr.choose_rank(sigma, fraction=0.01) == 1
+    assert lr.choose_rank(sigma, fraction=1.0) == 6
+    # σ² = 100, 25, 4, 2.25, 1, 0.01; total 132.26. 100/132.26 = 0.756, 125/132.26 = 0.945.
+    assert lr.choose_rank(sigma, energy=0.75) == 1
+    assert lr.choose_rank(sigma, energy=0.9) == 2
+    assert lr.choose_rank(sigma, energy=1.0) == 6
+    assert lr.choose_rank(sigma, tau=0.05, max_rank=2) == 2
+    assert lr.choose_rank(torch.zeros(4), tau=0.15) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({}, "exactly one"),
+        ({"tau": 0.1, "rank": 2}, "exactly one"),
+        ({"tau": 0.0}, "tau"),
+        ({"tau": 1.0}, "tau"),
+        ({"fraction": 0.0}, "fraction"),
+        ({"fraction": 1.5}, "fraction"),
+        ({"energy": 0.0}, "energy"),
+        ({"energy": 1.01}, "energy"),
+        ({"rank": 0}, "rank"),
+        ({"tau": 0.1, "max_rank": 0}, "max_rank"),
+    ],
+)
+def test_rank_rules_reject_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lr.choose_rank(torch.ones(3), **kwargs)
+
+
+def test_pays_boundaries():
+    assert not lr.pays(4, 4, 2)  # 16 numbers in factors vs 16 in W
+    assert lr.pays(4, 4, 1)
+    assert not lr.pays(4, 4, 1, 2.0)  # 8 vs 16 / 2
+    assert lr.pays(4, 4, 1, 1.9)
+    assert not lr.pays(1, 100, 1)  # a row vector never pays
+    assert not lr.pays(8, 8, 8)  # full rank never pays
+    with pytest.raises(ValueError, match="min_compression"):
+        lr.pays(4, 4, 1, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Gradients and roles
+
+
+@pytest.mark.parametrize("role", ["A", "B", "both"])
+def test_lowrank_gradients_follow_the_role(role):
+    model = _build(Attn).train()
+    records = lr.prepare_model(model)
+    for fp in records:
+        lr.decompose(fp, 3)
+    lr.set_trainable(records, role)
+    model(Attn.example()).sum().backward()
+    for fp in records:
+        assert fp.weight.grad is None
+        assert (fp.A.grad is not None) == (role in ("A", "both"))
+        assert (fp.B.grad is not None) == (role in ("B", "both"))
+
+
+def test_full_mode_gradients_reach_only_w():
+    model = _build(CNN).train()
+    records = lr.prepare_model(model)
+    for fp in records:
+        lr.decompose(fp, 2)
+        lr.recompose(fp)
+    lr.set_trainable(records, "full")
+    model(CNN.example()).sum().backward()
+    for fp in records:
+        assert fp.weight.grad is not None and fp.A.grad is None and fp.B.grad is None
+
+
+def test_role_full_needs_recomposed_layers():
+    records = lr.prepare_model(_build(MLP))
+    lr.decompose(records[0], 2)
+    with pytest.raises(ValueError, match="recompose"):
+        lr.set_trainable(records, "full")
+    with pytest.raises(ValueError, match="decompose"):
+        lr.set_mode(records, "lowrank")
+
+
+# ---------------------------------------------------------------------------
+# Optimizer state
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(MLP.example()).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+    ],
+)
+def test_resize_state_slices_and_pads_and_optimizer_keeps_working(make_opt):
+    torch.manual_seed(0)
+    model = MLP()
+    records = lr.prepare_model(model)
+    opt = make_opt(model.parameters())  # built once, never rebuilt
+    _step(model, opt)  # full-rank step: W gets state
+    for fp in records:
+        lr.decompose(fp, 6, optimizer=opt)
+    _step(model, opt)
+    fp = records[0]
+    before_a = {k: v.clone() for k, v in opt.state[fp.A].items() if torch.is_tensor(v) and v.ndim == 2}
+    before_b = {k: v.clone() for k, v in opt.state[fp.B].items() if torch.is_tensor(v) and v.ndim == 2}
+    assert before_a and all(v.shape == (32, 6) for v in before_a.values())
+    step_before = opt.state[fp.A].get("step")
+
+    # Shrink: first 4 columns of A-state, first 4 rows of B-state.
+    for rec in records:
+        lr.recompose(rec)
+        lr.decompose(rec, 4, optimizer=opt)
+    for k, v in before_a.items():
+        assert torch.equal(opt.state[fp.A][k], v[:, :4])
+    for k, v in before_b.items():
+        assert torch.equal(opt.state[fp.B][k], v[:4])
+    if step_before is not None:
+        assert torch.equal(torch.as_tensor(opt.state[fp.A]["step"]), torch.as_tensor(step_before))
+    _step(model, opt)
+
+    # Grow: kept part unchanged, new part zero.
+    kept_a = {k: opt.state[fp.A][k].clone() for k in before_a}
+    for rec in records:
+        lr.recompose(rec)
+        lr.decompose(rec, 7, optimizer=opt)
+    for k, v in kept_a.items():
+        new = opt.state[fp.A][k]
+        assert new.shape == (32, 7)
+        assert torch.equal(new[:, :4], v) and not new[:, 4:].any()
+    for k in before_b:
+        assert opt.state[fp.B][k].shape == (7, 16)
+    _step(model, opt)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_resize_state_pads_state_of_a_zero_size_placeholder():
+    model = MLP()
+    records = lr.prepare_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fp = records[0]
+    # A step on the empty placeholder leaves 0-size moments behind.
+    fp.A.requires_grad_(True)
+    fp.A.grad = torch.zeros_like(fp.A)
+    opt.step()
+    assert opt.state[fp.A]["exp_avg"].shape == (32, 0)
+    lr.decompose(fp, 3, optimizer=opt)
+    assert opt.state[fp.A]["exp_avg"].shape == (32, 3) and not opt.state[fp.A]["exp_avg"].any()
+    opt.zero_grad()
+    model(MLP.example()).sum().backward()
+    opt.step()
+
+
+def test_reset_state_drops_factor_state():
+    model = MLP()
+    records = lr.prepare_model(model)
+    opt = torch.optim.AdamW(model.parameters())
+    for fp in records:
+        lr.decompose(fp, 2)
+    _step(model, opt)
+    assert records[0].A in opt.state
+    lr.reset_state(opt, [p for fp in records for p in (fp.A, fp.B)])
+    assert all(fp.A not in opt.state and fp.B not in opt.state for fp in records)
+    _step(model, opt)
+
+
+# ---------------------------------------------------------------------------
+# Counting, initialisation, reporting
+
+
+def test_compression_ratio_by_hand():
+    model = MLP()
+    records = lr.prepare_model(model)
+    # stem 8*16+16, body.0 16*32+32, body.2 32*16+16, head 16*4+4
+    full = 144 + 544 + 528 + 68
+    assert lr.full_param_count(model, records) == full
+    assert lr.ab_param_count(model, records) == full  # nothing decomposed yet
+    lr.decompose(records[0], 2)  # 32x16 -> 2*(32+16) = 96
+    lr.decompose(records[1], 3)  # 16x32 -> 3*(16+32) = 144
+    ab = 144 + (96 + 32) + (144 + 16) + 68
+    assert lr.ab_param_count(model, records) == ab
+    assert lr.full_param_count(model, records) == full
+    assert lr.compression_ratio(model, records) == pytest.approx(full / ab)
+    assert lr.format_ratio(full / ab) == f"{full / ab:.1f}:1"
+    assert lr.format_ratio(44.14) == "44.1:1"
+
+
+def test_ortho_sigma_init_gives_unit_singular_values_and_is_seeded():
+    def init(seed: int) -> list[torch.Tensor]:
+        model = _build(CNN, seed=seed)  # different model seeds: weights must still agree
+        records = lr.prepare_model(model)
+        lr.ortho_sigma_init(records, torch.Generator().manual_seed(1234))
+        return [fp.weight.detach().clone() for fp in records]
+
+    first, second = init(0), init(1)
+    for w, v in zip(first, second):
+        assert torch.equal(w, v)
+        s = torch.linalg.svdvals(w.reshape(w.shape[0], -1))
+        torch.testing.assert_close(s, torch.ones_like(s), rtol=0, atol=1e-5)
+    other = CNN()
+    records = lr.prepare_model(other)
+    lr.ortho_sigma_init(records, torch.Generator().manual_seed(99))
+    assert not torch.equal(records[0].weight, first[0])
+
+
+def test_describe_and_log_decisions(caplog):
+    records = lr.prepare_model(_build(MLP))
+    lr.decompose_all(records, [2, 11], min_compression=1.0)
+    rows = lr.describe(records)
+    assert rows[0] == {
+        "name": "body.0.weight",
+        "shape": (32, 16),
+        "matrix": (32, 16),
+        "mode": "lowrank",
+        "rank": 2,
+        "params_full": 512,
+        "params_lowrank": 96,
+        "note": "rank 2 of 16",
+    }
+    assert rows[1]["mode"] == "full" and rows[1]["rank"] is None
+    with caplog.at_level(logging.INFO, logger="abtrain.lowrank"):
+        lr.log_decisions(records)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "rank 2" in lines[0] and "full rank: does not pay" in lines[1]
