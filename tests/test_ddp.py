@@ -12,7 +12,7 @@ from helpers import run_world
 
 
 def _train(cfg_dict, run_dir):
-    cfg = TrainConfig(**cfg_dict)
+    cfg = TrainConfig.from_dict(cfg_dict)
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=cfg.group_size)
     trainer = Trainer(cfg, topo, run_dir)
     results = trainer.run()

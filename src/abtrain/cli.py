@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from .config import TrainConfig, coerce, config_fields, read_config_file
+from .config import TrainConfig, ab_fields, coerce, config_fields, read_config_file
+from .methods.ab import ABConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,14 +34,14 @@ def _choices(f) -> Sequence[str] | None:
     return None
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainConfig()
-    for f in config_fields():
-        flag = "--" + f.name.replace("_", "-")
+def _add_config_flags(parser: argparse.ArgumentParser, fields: list, defaults: Any, prefix: str = "") -> None:
+    for f in fields:
+        flag = "--" + prefix + f.name.replace("_", "-")
         typ = str(f.type)
         default = getattr(defaults, f.name)
         help_text = f.metadata["help"] + (f" (default: {default})" if default is not None else "")
-        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text, "dest": f.name}
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text,
+                                  "dest": prefix.replace("-", "_") + f.name}
         if typ == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
@@ -64,19 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
                     "local workers through torch's elastic launcher; under torchrun or srun, joins that world. "
                     "Writes RUN_DIR/results.json, metrics.csv and status.json.")
     train.add_argument("--config", metavar="FILE", help="TOML file with the same keys as these flags; flags override it")
-    _add_config_flags(train)
+    _add_config_flags(train, config_fields(), TrainConfig())
+    ab = train.add_argument_group("AB-training (--method ab)", "the options of ALGORITHM.md; K, F, T_w and R in optimizer steps")
+    _add_config_flags(ab, ab_fields(), ABConfig(), prefix="ab-")
     return parser
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """Defaults, then the TOML file, then the flags."""
     values: dict[str, Any] = {}
+    ab: dict[str, Any] = {}
     if getattr(ns, "config", None):
         for key, value in read_config_file(ns.config).items():
-            values[key] = coerce(key, value)
+            if key == "ab":
+                ab = {k: coerce(k, v, section="ab") for k, v in value.items()}
+            else:
+                values[key] = coerce(key, value)
     for f in config_fields():
         if f.name in ns:
             values[f.name] = getattr(ns, f.name)
+    for f in ab_fields():
+        if "ab_" + f.name in ns:
+            ab[f.name] = getattr(ns, "ab_" + f.name)
+    values["ab"] = ABConfig(**ab)
     return TrainConfig(**values)
 
 

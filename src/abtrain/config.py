@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .methods.ab import ABConfig
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -57,6 +59,7 @@ class TrainConfig:
     limit_test: int | None = _opt(None, "use only the first N test samples (quick runs)")
     timeout: float = _opt(300.0, "seconds a collective may wait for its peers before the run fails")
     ledger: bool = _opt(True, "record every collective in the communication ledger (--no-ledger to measure its cost)")
+    ab: ABConfig = field(default_factory=ABConfig, metadata={"help": "AB-training options (--ab-*)", "section": True})
 
     def __post_init__(self) -> None:
         for name in ("workers", "batch_size", "block_size"):
@@ -86,6 +89,13 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        values = dict(values)
+        if isinstance(values.get("ab"), dict):
+            values["ab"] = ABConfig(**values["ab"])
+        return cls(**values)
+
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
@@ -99,7 +109,12 @@ def _positive(name: str, value: Any, strict: bool = True) -> None:
 
 
 def config_fields() -> list[dataclasses.Field]:
-    return list(fields(TrainConfig))
+    """The flat options of TrainConfig (sections such as ``ab`` excluded)."""
+    return [f for f in fields(TrainConfig) if not f.metadata.get("section")]
+
+
+def ab_fields() -> list[dataclasses.Field]:
+    return list(fields(ABConfig))
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -111,20 +126,37 @@ def read_config_file(path: str) -> dict[str, Any]:
             raw = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
-    known = {f.name for f in fields(TrainConfig)}
+    known = {f.name for f in config_fields()}
+    ab_known = {f.name for f in ab_fields()}
     out: dict[str, Any] = {}
+    ab: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
-        if name not in known:
-            raise ValueError(f"unknown key {key!r} in config file {path}; valid keys are the flags of 'abtrain train --help' ({', '.join(sorted(_flag(k) for k in known))})")
-        out[name] = value
+        if name == "ab" and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                ab[_known(sub.replace("-", "_"), ab_known, f"ab.{sub}", path)] = sub_value
+        elif name.startswith("ab_") and name[3:] in ab_known:
+            ab[name[3:]] = value
+        else:
+            out[_known(name, known, key, path)] = value
+    if ab:
+        out["ab"] = ab
     return out
 
 
-def coerce(name: str, value: Any) -> Any:
+def _known(name: str, known: set[str], key: str, path: str) -> str:
+    if name not in known:
+        raise ValueError(f"unknown key {key!r} in config file {path}; valid keys are the flags of "
+                         f"'abtrain train --help' without the dashes")
+    return name
+
+
+def coerce(name: str, value: Any, section: str | None = None) -> Any:
     """Check a config-file value against the field's type (TOML is typed; reject e.g. a string for an int)."""
-    f = next(f for f in fields(TrainConfig) if f.name == name)
+    f = next(f for f in (ab_fields() if section == "ab" else config_fields()) if f.name == name)
     typ = str(f.type)
+    if section:
+        name = f"{section}-{name}"
     if value is None:
         return value
     if typ.startswith("int") and not (isinstance(value, int) and not isinstance(value, bool)):

@@ -30,6 +30,8 @@ def method_options(cfg: TrainConfig) -> dict[str, Any]:
     """The options of ``cfg.method`` taken from the flat config."""
     if cfg.method == "ddp":
         return {"bucket_cap_mb": cfg.bucket_cap_mb}
+    if cfg.method == "ab":
+        return {"config": cfg.ab}
     return {}
 
 
@@ -74,9 +76,16 @@ def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
     build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
     if cfg.method not in _method_names():
         raise ValueError(f"unknown method {cfg.method!r}; choose one of: {', '.join(_method_names())}")
-    if cfg.group_size is not None and world_size % cfg.group_size:
-        raise ValueError(f"{world_size} workers cannot be split into groups of {cfg.group_size}: "
+    group_size = cfg.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % group_size:
+        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
                          f"choose a --group-size that divides the number of workers")
+    if cfg.method == "ab":
+        from . import lowrank
+        from .methods.ab import check_topology
+        check_topology(cfg.ab, world_size, group_size)
+        lowrank.prepare_model(build_model(cfg.model, ds), full_rank_patterns=cfg.ab.patterns,
+                              min_compression=cfg.ab.min_compression)
     return ds
 
 
@@ -166,7 +175,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip is not None:
-            # Called from the pre-step hook path would be too late for DDP; its grads are averaged here already.
+            self.method.reduce_gradients()  # clip the averaged gradient, not this worker's
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -228,6 +237,15 @@ class Trainer:
         tb = TensorBoard(self.run_dir) if self.is_main else None
         eval_every = cfg.eval_every or self.steps_per_epoch
         start = time.perf_counter()
+        eval_due = False
+
+        def evaluate() -> None:
+            self.wall = time.perf_counter() - start
+            row = self.evaluate()
+            progress.message(_eval_line(row))
+            if tb is not None:
+                tb.add(row)
+
         with self.method.attach(self.optimizer):
             epoch = 0
             while self.step < self.total_steps:
@@ -236,15 +254,17 @@ class Trainer:
                     loss = self.train_step(x, y)
                     progress.step(self.step, {"phase": self.method.phase, "loss": loss,
                                               "wire": self.ledger.wire_total, "global": self.ledger.global_wire_total})
-                    if self.step % eval_every == 0 or self.step == self.total_steps:
-                        self.wall = time.perf_counter() - start
-                        row = self.evaluate()
-                        progress.message(_eval_line(row))
-                        if tb is not None:
-                            tb.add(row)
+                    eval_due = eval_due or self.step % eval_every == 0
+                    # Evaluate a model every worker holds: methods whose workers drift apart
+                    # (AB phases) defer the evaluation to their next point of agreement.
+                    if eval_due and self.step < self.total_steps and self.method.in_consensus():
+                        evaluate()
+                        eval_due = False
                     if self.step >= self.total_steps:
                         break
                 epoch += 1
+            self.method.finalize(self.optimizer)
+            evaluate()
         progress.close()
         self.wall = time.perf_counter() - start
         return self.finish(tb)
@@ -275,7 +295,7 @@ class Trainer:
             "wall_seconds": self.wall,
             "peak_rss_bytes": int(rss.item()),
             "comm": self.ledger.summary(),
-            "method_details": self.method.extra_results(),
+            **self.method.extra_results(),
             "history": self.history,
             "config": self.cfg.to_dict(),
             "torch_version": torch.__version__,
@@ -303,7 +323,7 @@ def _eval_line(row: dict[str, Any]) -> str:
 def worker_main(cfg_dict: dict[str, Any], run_dir: str) -> None:
     """Entry point of one worker process (local launcher, torchrun or srun)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = TrainConfig(**cfg_dict)
+    cfg = TrainConfig.from_dict(cfg_dict)
     topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=cfg.group_size,
                              timeout_s=cfg.timeout)
     try:

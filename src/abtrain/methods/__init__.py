@@ -7,10 +7,12 @@ from collections.abc import Callable
 from ..comm import Communicator
 from ..topology import Topology
 from .base import Method
+from .ab import ABConfig, ABTraining
 from .ddp import DDPMethod
 
 METHODS: dict[str, Callable[..., Method]] = {
     "ddp": DDPMethod,
+    "ab": ABTraining,
 }
 
 
@@ -21,4 +23,4 @@ def build_method(name: str, comm: Communicator, topo: Topology, **options) -> Me
     return METHODS[name](comm, topo, **options)
 
 
-__all__ = ["METHODS", "Method", "build_method"]
+__all__ = ["ABConfig", "ABTraining", "DDPMethod", "METHODS", "Method", "build_method"]

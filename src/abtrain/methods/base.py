@@ -77,6 +77,16 @@ class Method:
         bufs = [b for b in self.module.buffers() if b.is_floating_point()]
         self.comm.all_reduce_tensors(bufs, self.topo.world, average=True)
 
+    def in_consensus(self) -> bool:
+        """True when every worker holds the same model (evaluation waits for this)."""
+        return True
+
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring the workers to one model at the end of training (e.g. a last average)."""
+
+    def reduce_gradients(self) -> None:
+        """Average this step's gradients now (before clipping); the step hook then skips it."""
+
     def extra_results(self) -> dict[str, Any]:
         return {}
 

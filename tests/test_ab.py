@@ -1,0 +1,232 @@
+"""AB-training on real gloo worlds: sync identity, roles, groups, exact bytes, sync modes, ranks."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from abtrain import lowrank
+from abtrain.comm import Communicator
+from abtrain.methods.ab import ABConfig, ABTraining
+from abtrain.topology import Topology
+from helpers import run_world
+
+T_W, K, F = 3, 6, 2  # syncs after steps 9 and 15; rebounds 9-10 and 15-16; truncation at 11 and 17
+STEPS = 19
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(12, 48)
+        self.norm = nn.BatchNorm1d(48)
+        self.body = nn.Linear(48, 40)
+        self.body2 = nn.Linear(40, 48)
+        self.head = nn.Linear(48, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.norm(self.stem(x)))
+        x = torch.relu(self.body(x))
+        return self.head(torch.relu(self.body2(x)))
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def _train(options, group_size=2, optimizer="sgd", steps=STEPS):
+    topo = Topology.from_env(backend="gloo", device="cpu", group_size=group_size)
+    comm = Communicator()
+    torch.manual_seed(0)
+    model = Net()
+    cfg = ABConfig(**{"warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0, **options})
+    method = ABTraining(comm, topo, cfg)
+    model = method.prepare(model)
+    group = method.topo.group  # only-b makes one group of all workers
+    out_group_ranks = dist.get_process_group_ranks(group.pg) if group.pg is not None else [topo.rank]
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out = {"rank": topo.rank, "role": method.role, "syncs": [], "steps": [], "ledger_by_step": [],
+           "group_ranks": out_group_ranks}
+    real_sync = method._sync
+
+    def recording_sync(optimizer):
+        before = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone()) for fp in method.records if fp.mode == "lowrank"}
+        before_full = {n: p.detach().clone() for n, p in model.named_parameters() if "parametrizations" not in n}
+        real_sync(optimizer)
+        out["syncs"].append({"step": method.t, "before": before, "before_full": before_full, "after": _snapshot(model)})
+
+    method._sync = recording_sync
+    gen = torch.Generator().manual_seed(100 + topo.rank)  # every worker its own data
+    with method.attach(opt):
+        for _ in range(steps):
+            x = torch.randn(16, 12, generator=gen)
+            y = torch.randint(0, 5, (16,), generator=gen)
+            phase = method.phase
+            before = _snapshot(model)
+            modes_before = {fp.name: fp.mode for fp in method.records}
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out["steps"].append({"phase": phase, "t": method.t, "before": before, "after": _snapshot(model),
+                                 "modes_before": modes_before,
+                                 "ranks": {fp.name: fp.rank for fp in method.records},
+                                 "modes": {fp.name: fp.mode for fp in method.records},
+                                 "state_shapes": {fp.name: [tuple(v.shape) for v in opt.state.get(fp.A, {}).values()
+                                                            if torch.is_tensor(v) and v.ndim == 2]
+                                                  for fp in method.records}})
+            out["ledger_by_step"].append(copy.deepcopy(comm.ledger.summary()["by_phase"]))
+    out["ranks_log"] = method.ranks
+    out["numels"] = {n: p.numel() for n, p in model.named_parameters()}
+    out["records"] = [(fp.name, fp.m, fp.n) for fp in method.records]
+    out["float_buffers"] = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    out["summary"] = comm.ledger.summary()
+    out["results"] = method.extra_results()
+    topo.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def with_stale():
+    return run_world(_train, 4, {"rank_fraction": 0.25})
+
+
+def test_workers_identical_after_every_sync(with_stale):
+    assert [s["step"] for s in with_stale[0]["syncs"]] == [T_W + K, T_W + 2 * K]
+    for i in range(2):
+        ref = with_stale[0]["syncs"][i]["after"]
+        for o in with_stale[1:]:
+            for k, v in o["syncs"][i]["after"].items():
+                assert torch.equal(v, ref[k]), f"{k} differs after sync {i}"
+
+
+def test_roles_train_only_their_factor(with_stale):
+    for o in with_stale:
+        assert o["role"] == ("A" if o["rank"] < 2 else "B")
+        frozen = "B" if o["role"] == "A" else "A"
+        synced_at = {sync["step"] for sync in o["syncs"]}  # those steps end with the sync's averaging
+        ab_steps = [s for s in o["steps"] if s["phase"] == "ab" and s["t"] not in synced_at]
+        assert len(ab_steps) > 5
+        for s in ab_steps:
+            for key in s["before"]:
+                changed = not torch.equal(s["before"][key], s["after"][key])
+                if key.endswith(f".{frozen}") and s["before"][key].shape == s["after"][key].shape:
+                    assert not changed, f"{o['role']}-worker changed {key} at step {s['t']}"
+                if key.endswith(".original") and s["modes"][key.split(".parametrizations")[0] + ".weight"] == "lowrank":
+                    assert not changed, f"stale W {key} changed during AB"
+            trained = [k for k in s["before"] if k.endswith(f".{o['role']}")
+                       and s["before"][k].shape == s["after"][k].shape]
+            assert any(not torch.equal(s["before"][k], s["after"][k]) for k in trained)
+
+
+def test_group_collectives_stay_in_group(with_stale):
+    for o in with_stale:
+        g = o["rank"] // 2
+        assert o["group_ranks"] == [2 * g, 2 * g + 1]
+    # Inside a group the trained factor is averaged, so both members agree; the two groups differ.
+    last_ab = max(i for i, s in enumerate(with_stale[0]["steps"]) if s["phase"] == "ab" and s["t"] < T_W + K)
+    a0, a1, b0 = (with_stale[r]["steps"][last_ab]["after"] for r in (0, 1, 2))
+    key = "body.parametrizations.weight.0.A"
+    assert torch.equal(a0[key], a1[key])
+    assert not torch.equal(a0[key], b0[key])
+
+
+def test_bytes_per_phase_match_the_formulas(with_stale):
+    o = with_stale[0]
+    p, g = 4, 2
+    ring = lambda n, size: 2 * (size - 1) / size * n  # noqa: E731
+    by_phase = o["summary"]["by_phase"]
+    numels = o["numels"]
+    full_params = sum(n for k, n in numels.items() if not k.endswith((".A", ".B")))  # W, biases, norms
+    # warm-up and rebound: every full-rank parameter's gradient over all workers, every step
+    rebound_steps = sum(1 for s in o["steps"] if s["phase"] == "rebound")
+    assert by_phase["warmup"]["payload_bytes"] == 4 * full_params * T_W
+    assert by_phase["rebound"]["payload_bytes"] == 4 * full_params * rebound_steps
+    assert by_phase["warmup"]["wire_bytes"] == pytest.approx(ring(4 * full_params * T_W, p))
+    # AB: the trained factor (+ layers kept full rank, biases, norms) over the group, every step
+    expected_ab = 0
+    for s in o["steps"]:
+        if s["phase"] != "ab":
+            continue
+        for k, v in s["before"].items():
+            if not v.is_floating_point() or "running" in k:
+                continue
+            base = k.split(".parametrizations")[0]
+            if ".parametrizations." in k:
+                low = s["modes_before"][base + ".weight"] == "lowrank"
+                if k.endswith(".original") and low:
+                    continue
+                if k.endswith((".A", ".B")) and (not low or not k.endswith("." + o["role"])):
+                    continue
+            expected_ab += 4 * v.numel()
+    assert by_phase["ab"]["payload_bytes"] == expected_ab
+    assert by_phase["ab"]["wire_bytes"] == pytest.approx(ring(expected_ab, g))
+    assert o["summary"]["by_scope"]["group"]["payload_bytes"] == expected_ab
+    # sync: r(m+n) per factorised layer + everything kept full rank + float buffers, over all workers
+    expected_sync = 0
+    for sync in o["syncs"]:
+        factors = sum(a.numel() + b.numel() for a, b in sync["before"].values())
+        rest = sum(v.numel() for k, v in sync["before_full"].items())
+        expected_sync += 4 * (factors + rest + o["float_buffers"])
+    rank_agreements = len([r for r in o["ranks_log"] if r["step"] != T_W])
+    expected_sync += 8 * len(o["records"]) * rank_agreements  # all-reduce(MAX) of int64 ranks
+    assert by_phase["sync"]["payload_bytes"] == expected_sync
+
+
+def test_ranks_agree_and_follow_the_rule():
+    outs = run_world(_train, 4, {"tau": 0.5}, 2, "adamw")
+    logs = [o["ranks_log"] for o in outs]
+    assert all(log == logs[0] for log in logs)
+    first, later = logs[0][0], logs[0][1:]
+    assert all(r == min(m, n) for (name, m, n), r in zip(outs[0]["records"], first["layers"].values()))
+    for entry in later:
+        step_after = next(s for s in outs[0]["steps"] if s["t"] == entry["step"])
+        for name, m, n in outs[0]["records"]:
+            W = step_after["before"][name.replace(".weight", ".parametrizations.weight.original")]
+            # the rank was chosen on the rebound's W; all workers hold that same W before decomposition
+            sigma = torch.linalg.svdvals(W.reshape(m, -1).float())
+            expected = int((sigma > 0.5 * sigma[0]).sum())
+            r = entry["layers"][name]
+            if r is not None:
+                assert r == expected, name
+    # optimizer moments follow the rank: AdamW exp_avg / exp_avg_sq of A are m x r
+    for o in outs:
+        for s in o["steps"]:
+            for name, m, n in o["records"]:
+                if s["modes"][name] == "lowrank" and s["state_shapes"][name]:
+                    assert all(shape == (m, s["ranks"][name]) for shape in s["state_shapes"][name])
+
+
+@pytest.mark.parametrize("mode", ["only-learned", "full"])
+def test_sync_modes_compute_the_spec_average(mode):
+    outs = run_world(_train, 4, {"rank_fraction": 0.25, "sync": mode}, 2, "sgd", T_W + K)
+    sync = [o["syncs"][0] for o in outs]
+    for name in sync[0]["before"]:
+        As = torch.stack([s["before"][name][0] for s in sync]).double()
+        Bs = torch.stack([s["before"][name][1] for s in sync]).double()
+        if mode == "only-learned":
+            W = As[:2].mean(0) @ Bs[2:].mean(0)
+        else:
+            W = (As @ Bs).mean(0)
+        key = name.replace(".weight", ".parametrizations.weight.original")
+        for s in sync:
+            got = s["after"][key].double().reshape(W.shape)
+            assert torch.allclose(got, W, rtol=1e-5, atol=1e-6), (mode, name)
+
+
+def test_only_b_trains_b_with_dp_everywhere():
+    outs = run_world(_train, 2, {"rank_fraction": 0.25, "sync": "only-b"}, 1, "sgd", T_W + K)
+    for o in outs:
+        assert o["role"] == "B"
+        assert o["group_ranks"] == [0, 1]
+    last = outs[0]["steps"][-1]["after"]
+    for k, v in outs[1]["steps"][-1]["after"].items():
+        assert torch.equal(v, last[k]), k  # DP over all workers: no drift at all
+
+
+def test_single_group_is_refused():
+    with pytest.raises(ValueError, match="at least 2 groups"):
+        ABTraining(Communicator(), Topology(rank=0, world_size=2, local_world_size=2), ABConfig())
