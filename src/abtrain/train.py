@@ -263,8 +263,7 @@ class Trainer:
                     if self.step >= self.total_steps:
                         break
                 epoch += 1
-            self.method.finalize(self.optimizer)
-            evaluate()
+        evaluate()  # after the block: the method's finalize has brought every worker to one model
         progress.close()
         self.wall = time.perf_counter() - start
         return self.finish(tb)

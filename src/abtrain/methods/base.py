@@ -49,12 +49,13 @@ class Method:
 
     @contextlib.contextmanager
     def attach(self, optimizer: torch.optim.Optimizer) -> Iterator["Method"]:
-        """Hook the method into ``optimizer`` for the duration of the block."""
+        """Hook the method into ``optimizer`` for the duration of the block; finalize on a normal exit."""
         handles = [optimizer.register_step_pre_hook(lambda *_: self.before_step(optimizer)),
                    optimizer.register_step_post_hook(lambda *_: self.after_step(optimizer))]
         try:
-            with self.comm.ledger.in_phase(self.phase):
-                yield self
+            self.comm.ledger.phase = self.phase
+            yield self
+            self.finalize(optimizer)  # like accelerate's LocalSGD: leave every worker with one model
         finally:
             for h in handles:
                 h.remove()
@@ -86,6 +87,10 @@ class Method:
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients now (before clipping); the step hook then skips it."""
+
+    def close(self) -> None:
+        """Leave the torch.distributed world (destroys the process groups)."""
+        self.topo.close()
 
     def extra_results(self) -> dict[str, Any]:
         return {}
