@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from abtrain import lowrank
 from abtrain.comm import Communicator
 from abtrain.methods.ab import ABConfig, ABTraining
 from abtrain.topology import Topology

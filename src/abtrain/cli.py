@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from .config import TrainConfig, ab_fields, coerce, config_fields, read_config_file
+from .config import SECTIONS, TrainConfig, ab_fields, coerce, config_fields, read_config_file, section_fields
 from .methods.ab import ABConfig
 
 
@@ -68,26 +68,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train, config_fields(), TrainConfig())
     ab = train.add_argument_group("AB-training (--method ab)", "the options of ALGORITHM.md; K, F, T_w and R in optimizer steps")
     _add_config_flags(ab, ab_fields(), ABConfig(), prefix="ab-")
+    for section, title, description in (
+            ("localsgd", "local SGD (--method localsgd)", "workers train alone, the model is averaged every H steps"),
+            ("diloco", "DiLoCo (--method diloco)", "H inner steps of the chosen optimizer (AdamW recommended), "
+                                                   "then an outer Nesterov step on the averaged pseudo-gradient"),
+            ("powersgd", "PowerSGD (--method powersgd)", "torch's PowerSGD DDP hook: rank-r gradient compression "
+                                                         "with error feedback and warm start")):
+        group = train.add_argument_group(title, description)
+        _add_config_flags(group, section_fields(section), SECTIONS[section](), prefix=section + "-")
     return parser
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """Defaults, then the TOML file, then the flags."""
     values: dict[str, Any] = {}
-    ab: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     if getattr(ns, "config", None):
         for key, value in read_config_file(ns.config).items():
-            if key == "ab":
-                ab = {k: coerce(k, v, section="ab") for k, v in value.items()}
+            if key in SECTIONS:
+                sections[key] = {k: coerce(k, v, section=key) for k, v in value.items()}
             else:
                 values[key] = coerce(key, value)
     for f in config_fields():
         if f.name in ns:
             values[f.name] = getattr(ns, f.name)
-    for f in ab_fields():
-        if "ab_" + f.name in ns:
-            ab[f.name] = getattr(ns, "ab_" + f.name)
-    values["ab"] = ABConfig(**ab)
+    for section, options in sections.items():
+        for f in section_fields(section):
+            if f"{section}_{f.name}" in ns:
+                options[f.name] = getattr(ns, f"{section}_{f.name}")
+        values[section] = SECTIONS[section](**options)
     return TrainConfig(**values)
 
 

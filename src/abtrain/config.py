@@ -9,6 +9,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .methods.ab import ABConfig
+from .methods.diloco import DiLoCoConfig
+from .methods.localsgd import LocalSGDConfig
+from .methods.powersgd import PowerSGDConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,6 +22,10 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+
+# The methods' option sections: TrainConfig field, flags ``--<name>-<option>``, TOML table ``[<name>]``.
+SECTIONS: dict[str, type] = {"ab": ABConfig, "localsgd": LocalSGDConfig, "diloco": DiLoCoConfig,
+                             "powersgd": PowerSGDConfig}
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -60,6 +67,9 @@ class TrainConfig:
     timeout: float = _opt(300.0, "seconds a collective may wait for its peers before the run fails")
     ledger: bool = _opt(True, "record every collective in the communication ledger (--no-ledger to measure its cost)")
     ab: ABConfig = field(default_factory=ABConfig, metadata={"help": "AB-training options (--ab-*)", "section": True})
+    localsgd: LocalSGDConfig = field(default_factory=LocalSGDConfig, metadata={"help": "local SGD options (--localsgd-*)", "section": True})
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig, metadata={"help": "DiLoCo options (--diloco-*)", "section": True})
+    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig, metadata={"help": "PowerSGD options (--powersgd-*)", "section": True})
 
     def __post_init__(self) -> None:
         for name in ("workers", "batch_size", "block_size"):
@@ -92,8 +102,9 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
         values = dict(values)
-        if isinstance(values.get("ab"), dict):
-            values["ab"] = ABConfig(**values["ab"])
+        for name, section in SECTIONS.items():
+            if isinstance(values.get(name), dict):
+                values[name] = section(**values[name])
         return cls(**values)
 
 
@@ -113,8 +124,13 @@ def config_fields() -> list[dataclasses.Field]:
     return [f for f in fields(TrainConfig) if not f.metadata.get("section")]
 
 
+def section_fields(section: str) -> list[dataclasses.Field]:
+    """The options of one method's section (``ab``, ``localsgd``, ...)."""
+    return list(fields(SECTIONS[section]))
+
+
 def ab_fields() -> list[dataclasses.Field]:
-    return list(fields(ABConfig))
+    return section_fields("ab")
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -127,20 +143,23 @@ def read_config_file(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
     known = {f.name for f in config_fields()}
-    ab_known = {f.name for f in ab_fields()}
+    section_known = {s: {f.name for f in section_fields(s)} for s in SECTIONS}
     out: dict[str, Any] = {}
-    ab: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for key, value in raw.items():
         name = key.replace("-", "_")
-        if name == "ab" and isinstance(value, dict):
+        # A table ``[ab]`` or a prefixed key ``ab-tau`` (the flag's name) both set ab.tau.
+        prefixed = next((s for s in SECTIONS if name.startswith(s + "_") and name[len(s) + 1:] in section_known[s]),
+                        None)
+        if name in SECTIONS and isinstance(value, dict):
             for sub, sub_value in value.items():
-                ab[_known(sub.replace("-", "_"), ab_known, f"ab.{sub}", path)] = sub_value
-        elif name.startswith("ab_") and name[3:] in ab_known:
-            ab[name[3:]] = value
+                sub_name = _known(sub.replace("-", "_"), section_known[name], f"{name}.{sub}", path)
+                sections[name][sub_name] = sub_value
+        elif prefixed is not None:
+            sections[prefixed][name[len(prefixed) + 1:]] = value
         else:
             out[_known(name, known, key, path)] = value
-    if ab:
-        out["ab"] = ab
+    out.update({s: options for s, options in sections.items() if options})
     return out
 
 
@@ -153,7 +172,7 @@ def _known(name: str, known: set[str], key: str, path: str) -> str:
 
 def coerce(name: str, value: Any, section: str | None = None) -> Any:
     """Check a config-file value against the field's type (TOML is typed; reject e.g. a string for an int)."""
-    f = next(f for f in (ab_fields() if section == "ab" else config_fields()) if f.name == name)
+    f = next(f for f in (section_fields(section) if section else config_fields()) if f.name == name)
     typ = str(f.type)
     if section:
         name = f"{section}-{name}"

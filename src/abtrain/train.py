@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import Communicator, Ledger
-from .config import TrainConfig
+from .config import SECTIONS, TrainConfig
 from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
 from .methods import build_method
 from .models import build_model, count_parameters
@@ -28,11 +28,12 @@ log = logging.getLogger(__name__)
 
 def method_options(cfg: TrainConfig) -> dict[str, Any]:
     """The options of ``cfg.method`` taken from the flat config."""
-    if cfg.method == "ddp":
-        return {"bucket_cap_mb": cfg.bucket_cap_mb}
-    if cfg.method == "ab":
-        return {"config": cfg.ab}
-    return {}
+    options: dict[str, Any] = {}
+    if cfg.method in ("ddp", "ddp-bf16", "powersgd"):
+        options["bucket_cap_mb"] = cfg.bucket_cap_mb
+    if cfg.method in SECTIONS:  # methods with an options section (--<method>-*)
+        options["config"] = getattr(cfg, cfg.method)
+    return options
 
 
 def default_run_dir(cfg: TrainConfig) -> str:

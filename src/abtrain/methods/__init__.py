@@ -8,11 +8,21 @@ from ..comm import Communicator
 from ..topology import Topology
 from .base import Method
 from .ab import ABConfig, ABTraining
+from .bf16 import BF16DDPMethod
 from .ddp import DDPMethod
+from .diloco import DiLoCo, DiLoCoConfig
+from .localsgd import LocalSGD, LocalSGDConfig
+from .none import NoCommunication
+from .powersgd import PowerSGD, PowerSGDConfig
 
 METHODS: dict[str, Callable[..., Method]] = {
     "ddp": DDPMethod,
     "ab": ABTraining,
+    "ddp-bf16": BF16DDPMethod,
+    "powersgd": PowerSGD,
+    "localsgd": LocalSGD,
+    "diloco": DiLoCo,
+    "none": NoCommunication,
 }
 
 
@@ -23,4 +33,5 @@ def build_method(name: str, comm: Communicator, topo: Topology, **options) -> Me
     return METHODS[name](comm, topo, **options)
 
 
-__all__ = ["ABConfig", "ABTraining", "DDPMethod", "METHODS", "Method", "build_method"]
+__all__ = ["ABConfig", "ABTraining", "BF16DDPMethod", "DDPMethod", "DiLoCo", "DiLoCoConfig", "LocalSGD",
+           "LocalSGDConfig", "METHODS", "Method", "NoCommunication", "PowerSGD", "PowerSGDConfig", "build_method"]

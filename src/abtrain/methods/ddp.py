@@ -5,8 +5,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,6 +38,8 @@ class DDPMethod(Method):
     """
 
     name = "ddp"
+    #: ``hook(method, bucket) -> Future[Tensor]``; subclasses with another compression swap it.
+    comm_hook = staticmethod(_ledger_allreduce_hook)
 
     def __init__(self, comm: Communicator, topo: Topology, bucket_cap_mb: float = 25.0) -> None:
         super().__init__(comm, topo)
@@ -57,7 +57,7 @@ class DDPMethod(Method):
             process_group=self.topo.world.pg,
             **_no_buffer_broadcast,
         )
-        ddp.register_comm_hook(self, _ledger_allreduce_hook)
+        ddp.register_comm_hook(self, type(self).comm_hook)
         return ddp
 
     def extra_results(self) -> dict[str, Any]:

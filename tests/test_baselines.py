@@ -1,0 +1,205 @@
+"""Baselines (ddp-bf16, powersgd, localsgd, diloco, none): equivalences, exact byte counts, one model at the end.
+
+One spawned gloo world of 2 workers trains every configuration in turn (a
+Trainer per run, sharing the process group), so the file stays fast.
+"""
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from abtrain.cli import build_parser, config_from_args
+from abtrain.comm import Communicator
+from abtrain.config import TrainConfig, read_config_file
+from abtrain.methods import METHODS, build_method
+from abtrain.methods.diloco import DiLoCoConfig
+from abtrain.methods.localsgd import LocalSGDConfig
+from abtrain.methods.powersgd import PowerSGDConfig
+from abtrain.topology import Topology
+from helpers import run_world
+
+STEPS = 6
+PLAIN_SGD = dict(momentum=0.0, weight_decay=0.0)
+
+
+def _cfg(fashion_dir, method, **kw):
+    base = dict(method=method, model="mlp", dataset="fashion-mnist", data_dir=str(fashion_dir), steps=STEPS,
+                batch_size=16, eval_every=100, limit_test=64, log_every=100, lr=0.05, seed=5)
+    base.update(kw)
+    return base
+
+
+def _torch_powersgd_method():
+    """PowerSGD with torch's own, uncounted powerSGD_hook: the numerical reference for ours."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from abtrain.methods.base import Method
+    from abtrain.methods.ddp import _no_buffer_broadcast
+    from abtrain.methods.powersgd import PowerSGD
+
+    class TorchPowerSGD(PowerSGD):
+        def prepare(self, model):
+            model = Method.prepare(self, model)
+            ddp = DistributedDataParallel(model, init_sync=False, process_group=self.topo.world.pg,
+                                          bucket_cap_mb=self.bucket_cap_mb, **_no_buffer_broadcast)
+            ddp.register_comm_hook(self.state, powerSGD_hook)
+            return ddp
+
+    return TorchPowerSGD
+
+
+def _run_all(runs, run_dir):
+    from abtrain.train import Trainer
+
+    topo = Topology.from_env(backend="gloo", device="cpu")
+    out = {}
+    for name, cfg_dict in runs.items():
+        cfg = TrainConfig.from_dict(cfg_dict)
+        original = METHODS["powersgd"]
+        if name == "torch-powersgd":
+            METHODS["powersgd"] = _torch_powersgd_method()
+        try:
+            os.makedirs(os.path.join(run_dir, name), exist_ok=True)
+            trainer = Trainer(cfg, topo, os.path.join(run_dir, name))
+            trainer.run()
+        finally:
+            METHODS["powersgd"] = original
+        method = trainer.method
+        out[name] = {
+            "state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "summary": trainer.ledger.summary(),
+            "params": trainer.params,
+            "evals": len(trainer.history),
+            "extra": method.extra_results(),
+            "stats": method.state.compression_stats() if hasattr(method, "state") else None,
+        }
+    topo.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(fashion_dir):
+    configs = {
+        "ddp": _cfg(fashion_dir, "ddp", **PLAIN_SGD),
+        "localsgd-h1": _cfg(fashion_dir, "localsgd", localsgd={"h": 1}, **PLAIN_SGD),
+        "diloco-h1": _cfg(fashion_dir, "diloco", diloco={"h": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
+                          **PLAIN_SGD),
+        "powersgd": _cfg(fashion_dir, "powersgd", powersgd={"rank": 2, "start_iter": 2}),
+        "torch-powersgd": _cfg(fashion_dir, "powersgd", powersgd={"rank": 2, "start_iter": 2}),
+        "ddp-bf16": _cfg(fashion_dir, "ddp-bf16"),
+        "none": _cfg(fashion_dir, "none"),
+        # BatchNorm buffers, momentum, and a last partial period that finalize must close.
+        "localsgd-h4": _cfg(fashion_dir, "localsgd", model="cnn", localsgd={"h": 4}),
+        "diloco-h4": _cfg(fashion_dir, "diloco", model="cnn", optimizer="adamw", lr=1e-3, momentum=0.9,
+                          diloco={"h": 4}),
+    }
+    with tempfile.TemporaryDirectory() as run_dir:
+        return run_world(_run_all, 2, configs, run_dir)
+
+
+def _max_diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name", ["localsgd-h1", "diloco-h1"])
+def test_h1_with_plain_sgd_equals_ddp(runs, name):
+    assert _max_diff(runs[0][name]["state"], runs[0]["ddp"]["state"]) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["ddp-bf16", "powersgd", "localsgd-h1", "diloco-h1", "localsgd-h4", "diloco-h4"])
+def test_one_model_after_finalize(runs, name):
+    a, b = runs[0][name]["state"], runs[1][name]["state"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{name}: {k} differs between workers"
+
+
+def test_none_never_communicates_while_training(runs):
+    s = runs[0]["none"]["summary"]
+    assert set(s["by_phase"]) == {"setup", "eval"}
+    # No buffer averaging at evaluation either: 5 float64 totals per evaluation and one peak-RSS max.
+    assert s["by_phase"]["eval"]["payload_bytes"] == runs[0]["none"]["evals"] * 5 * 8 + 8
+    assert _max_diff(runs[0]["none"]["state"], runs[1]["none"]["state"]) > 0  # the workers drifted apart
+
+
+def test_ddp_bf16_sends_two_bytes_per_gradient(runs):
+    o = runs[0]["ddp-bf16"]
+    rows = [r for r in o["summary"]["rows"] if r["phase"] == "train"]
+    assert {r["dtype"] for r in rows} == {"bfloat16"}
+    assert sum(r["payload_bytes"] for r in rows) == 2 * o["params"] * STEPS
+    assert _max_diff(o["state"], runs[0]["ddp"]["state"]) < 0.05  # momentum differs from ddp's run; same scale
+
+
+def test_powersgd_counts_equal_the_hook_statistics(runs):
+    o = runs[0]["powersgd"]
+    by_phase = o["summary"]["by_phase"]
+    _, before, after = o["stats"]
+    start = 2
+    assert before == o["params"] * (STEPS - start)  # every gradient element seen once per compressed step
+    assert by_phase["train"]["payload_bytes"] == 4 * after  # uncompressed tensors + every P and Q
+    assert by_phase["warmup"]["payload_bytes"] == 4 * o["params"] * start
+    assert after < before / 2
+    assert o["extra"]["powersgd"]["numel_after_compression"] == after
+    ddp_train = runs[0]["ddp"]["summary"]["by_phase"]["train"]["payload_bytes"]
+    assert by_phase["train"]["payload_bytes"] + by_phase["warmup"]["payload_bytes"] < ddp_train
+
+
+def test_powersgd_computes_what_torchs_hook_computes(runs):
+    assert runs[0]["torch-powersgd"]["stats"] == runs[0]["powersgd"]["stats"]
+    assert _max_diff(runs[0]["powersgd"]["state"], runs[0]["torch-powersgd"]["state"]) < 1e-6
+
+
+def test_phases_and_sync_counts(runs):
+    s = runs[0]["localsgd-h4"]["summary"]
+    assert set(s["by_phase"]) == {"setup", "average", "eval"}
+    assert s["by_phase"]["average"]["calls"] == 2  # step 4, then finalize at step 6
+    assert runs[0]["localsgd-h4"]["extra"]["localsgd"]["averages"] == 2
+    s = runs[0]["diloco-h4"]["summary"]
+    assert set(s["by_phase"]) == {"setup", "outer", "eval"}
+    assert s["by_phase"]["outer"]["calls"] == 2
+    assert runs[0]["diloco-h4"]["extra"]["diloco"]["outer_steps"] == 2
+
+
+@pytest.mark.parametrize("name", ["ddp-bf16", "powersgd", "localsgd", "diloco", "none"])
+def test_single_process_is_the_same_code(name):
+    """A world of one: no process group, nothing counted, training still runs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    comm = Communicator()
+    method = build_method(name, comm, Topology())
+    forward = method.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with method.attach(opt):
+        for _ in range(5):
+            loss = torch.nn.functional.cross_entropy(forward(torch.randn(4, 8)), torch.randint(0, 3, (4,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert method.in_consensus()
+    assert comm.ledger.rows == {}
+
+
+def test_options_from_flags_and_config_file(tmp_path):
+    path = tmp_path / "run.toml"
+    # A table per method, or the flag's name as a top-level key.
+    path.write_text('method = "diloco"\npowersgd-rank = 1\n[diloco]\nh = 7\nouter-lr = 0.5\n[localsgd]\nh = 3\n')
+    ns = build_parser().parse_args(["train", "--config", str(path), "--diloco-outer-momentum", "0.5",
+                                    "--powersgd-start-iter", "5"])
+    cfg = config_from_args(ns)
+    assert cfg.diloco == DiLoCoConfig(h=7, outer_lr=0.5, outer_momentum=0.5)
+    assert cfg.localsgd == LocalSGDConfig(h=3)
+    assert cfg.powersgd == PowerSGDConfig(rank=1, start_iter=5)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert read_config_file(str(path))["diloco"] == {"h": 7, "outer_lr": 0.5}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--localsgd-h", "0"], "--localsgd-h must be a positive integer"),
+    (["--diloco-outer-momentum", "1"], "--diloco-outer-momentum must be in [0, 1)"),
+    (["--powersgd-start-iter", "1"], "--powersgd-start-iter must be an integer >= 2"),
+])
+def test_bad_options_say_how_to_fix_them(args, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        config_from_args(build_parser().parse_args(["train", *args]))
