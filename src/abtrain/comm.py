@@ -171,6 +171,18 @@ class Ledger:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, or stopped answering for longer than the process-group timeout."""
+
+
+def _collective_error(op: str, group: Group, phase: str, seconds: float, exc: BaseException) -> CollectiveError:
+    # The backend's message can span many lines (a C++ stack); its first line says what happened.
+    cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return CollectiveError(
+        f"collective {op} on group {group.name} (phase {phase}) failed after {seconds:.1f} s: peer stopped "
+        f"answering? ({cause[:300]}); if a step legitimately takes that long, raise --timeout")
+
+
 class Communicator:
     """Runs collectives over named groups and records each one in the ledger.
 
@@ -184,13 +196,30 @@ class Communicator:
         self.device = device or torch.device("cpu")
 
     @contextlib.contextmanager
-    def _timed(self, op: str, group: Group, tensor: torch.Tensor) -> Iterator[None]:
-        sync = tensor.is_cuda
+    def _guarded(self, op: str, group: Group) -> Iterator[float]:
+        """Turn a backend failure (timeout, dead peer) into one line naming the collective, group and phase."""
         start = time.perf_counter()
-        yield
-        if sync:
-            torch.cuda.synchronize(tensor.device)
+        try:
+            yield start
+        except CollectiveError:
+            raise
+        except RuntimeError as exc:  # DistBackendError is a RuntimeError
+            raise _collective_error(op, group, self.ledger.phase, time.perf_counter() - start, exc) from exc
+
+    @contextlib.contextmanager
+    def _timed(self, op: str, group: Group, tensor: torch.Tensor) -> Iterator[None]:
+        with self._guarded(op, group) as start:
+            yield
+            if tensor.is_cuda:
+                torch.cuda.synchronize(tensor.device)
         self.ledger.record(op, group, tensor, time.perf_counter() - start)
+
+    def barrier(self, group: Group) -> None:
+        """Wait until every member of ``group`` arrives. Not a data transfer: nothing is recorded in the ledger."""
+        if group.size <= 1:
+            return
+        with self._guarded("barrier", group):
+            dist.barrier(group=group.pg)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: str = "sum", average: bool = False) -> torch.Tensor:
         """In-place all-reduce (``op``: sum, max, min); ``average`` divides a sum by the group size."""
@@ -218,11 +247,16 @@ class Communicator:
         phase = self.ledger.phase
         start = time.perf_counter()
         self.ledger.record("all_reduce", group, tensor, 0.0)
-        work = dist.all_reduce(tensor, group=group.pg, async_op=True)
+        with self._guarded("all_reduce", group):
+            work = dist.all_reduce(tensor, group=group.pg, async_op=True)
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                value = fut.value()[0]
+            except RuntimeError as exc:
+                raise _collective_error("all_reduce", group, phase, time.perf_counter() - start, exc) from exc
             self.ledger.add_seconds("all_reduce", group, tensor.dtype, phase, time.perf_counter() - start)
-            return fut.value()[0]
+            return value
 
         return work.get_future().then(done)
 

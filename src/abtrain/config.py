@@ -12,6 +12,7 @@ from .methods.ab import ABConfig
 from .methods.diloco import DiLoCoConfig
 from .methods.localsgd import LocalSGDConfig
 from .methods.powersgd import PowerSGDConfig
+from .validate import check_types
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,7 +65,10 @@ class TrainConfig:
     block_size: int = _opt(64, "context length for the character language model")
     limit_train: int | None = _opt(None, "use only the first N training samples (quick runs)")
     limit_test: int | None = _opt(None, "use only the first N test samples (quick runs)")
-    timeout: float = _opt(300.0, "seconds a collective may wait for its peers before the run fails")
+    timeout: float = _opt(300.0, "seconds a collective may wait for its peers before the run fails with an error naming the collective and the phase")
+    checkpoint_every: int | None = _opt(None, "write a checkpoint (RUN_DIR/checkpoint) every N steps; one is always written after the last step")
+    stop_after: int | None = _opt(None, "checkpoint after N steps and exit without finishing (status 'stopped'); continue with --resume RUN_DIR. The learning-rate schedule still spans the whole run")
+    max_restarts: int = _opt(0, "restart all local workers up to K times when one dies; they continue from the last checkpoint")
     ledger: bool = _opt(True, "record every collective in the communication ledger (--no-ledger to measure its cost)")
     ab: ABConfig = field(default_factory=ABConfig, metadata={"help": "AB-training options (--ab-*)", "section": True})
     localsgd: LocalSGDConfig = field(default_factory=LocalSGDConfig, metadata={"help": "local SGD options (--localsgd-*)", "section": True})
@@ -72,17 +76,22 @@ class TrainConfig:
     powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig, metadata={"help": "PowerSGD options (--powersgd-*)", "section": True})
 
     def __post_init__(self) -> None:
+        check_types(self)
+        for name, section in SECTIONS.items():
+            if not isinstance(getattr(self, name), section):
+                raise ValueError(f"the {name} options must be a {section.__name__} (a [{name}] table in a config "
+                                 f"file), got {getattr(self, name)!r}")
         for name in ("workers", "batch_size", "block_size"):
             _positive(name, getattr(self, name))
         for name in ("epochs", "steps", "eval_every", "log_every", "group_size", "threads",
-                     "limit_train", "limit_test"):
+                     "limit_train", "limit_test", "checkpoint_every", "stop_after"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         for name in ("lr", "bucket_cap_mb", "timeout"):
             _positive(name, getattr(self, name), strict=True)
         if self.grad_clip is not None:
             _positive("grad_clip", self.grad_clip, strict=True)
-        for name in ("weight_decay", "warmup_lr_steps"):
+        for name in ("weight_decay", "warmup_lr_steps", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.momentum < 1:
@@ -95,6 +104,9 @@ class TrainConfig:
                 raise ValueError(f"unknown --{_flag(f.name)} {getattr(self, f.name)!r}; choose one of: {', '.join(choices)}")
         if self.epochs is None and self.steps is None:
             self.epochs = 3
+        if self.stop_after is not None and self.steps is not None and self.stop_after >= self.steps:
+            raise ValueError(f"--stop-after {self.stop_after} must be smaller than --steps {self.steps}: "
+                             f"it stops a run before its end")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,8 +114,16 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
         values = dict(values)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown configuration keys: {', '.join(unknown)}")
         for name, section in SECTIONS.items():
             if isinstance(values.get(name), dict):
+                section_known = {f.name for f in fields(section)}
+                extra = sorted(set(values[name]) - section_known)
+                if extra:
+                    raise ValueError(f"unknown {name} options: {', '.join(extra)}")
                 values[name] = section(**values[name])
         return cls(**values)
 

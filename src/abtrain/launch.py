@@ -19,8 +19,9 @@ import re
 import uuid
 from typing import Any
 
+from .checkpoint import read_manifest
 from .config import TrainConfig
-from .results import check_writable, read_status, write_status
+from .results import check_writable, read_status, write_json, write_status
 
 log = logging.getLogger(__name__)
 
@@ -61,26 +62,51 @@ def _slurm_tasks_on_this_node(env: dict[str, str], ntasks: int) -> int:
     return max(1, ntasks // nodes)
 
 
-def train(cfg: TrainConfig) -> int:
-    """Run ``abtrain train``: validate, then start or join the workers. Returns the exit code."""
-    from .train import default_run_dir, preflight, worker_main
+def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
+    """Run ``abtrain train``: validate, then start or join the workers. Returns the exit code.
+
+    ``resume_dir``: continue that run from its last checkpoint (``cfg`` is its saved configuration).
+    """
+    from .train import default_run_dir, preflight, restart_count, worker_main
 
     mode = external_world()
     world = int(os.environ["WORLD_SIZE"]) if mode else cfg.workers
-    run_dir = cfg.out or os.environ.get("ABTRAIN_RUN_DIR") or default_run_dir(cfg)
+    run_dir = resume_dir or cfg.out or os.environ.get("ABTRAIN_RUN_DIR") or default_run_dir(cfg)
     is_main = not mode or int(os.environ.get("RANK", "0")) == 0
     if is_main:
-        check_writable(run_dir)
+        if resume_dir:
+            check_resumable(run_dir, world)
+        else:
+            check_writable(run_dir)
+            # Under torchrun, a restarted worker runs this again: then the checkpoint is its own run's.
+            if restart_count() == 0 and read_manifest(run_dir) is not None:
+                raise ValueError(f"run directory {run_dir} holds a checkpoint of an unfinished run: continue it with "
+                                 f"'abtrain train --resume {run_dir}', or pass another --out")
     preflight(cfg, world)
     if is_main:
+        if not resume_dir and restart_count() == 0:
+            write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
         write_status(run_dir, "running", world_size=world)
     if mode:
-        worker_main(cfg.to_dict(), run_dir)
+        worker_main(cfg.to_dict(), run_dir, bool(resume_dir), report=True)
         return 0
-    return _launch_local(cfg, run_dir)
+    return _launch_local(cfg, run_dir, bool(resume_dir))
 
 
-def _launch_local(cfg: TrainConfig, run_dir: str) -> int:
+def check_resumable(run_dir: str, world: int) -> None:
+    """A run directory that ``--resume`` can continue: unfinished, with a complete checkpoint for ``world`` workers."""
+    if os.path.exists(os.path.join(run_dir, "results.json")):
+        raise ValueError(f"run directory {run_dir} holds a finished run (results.json); there is nothing to resume")
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        raise ValueError(f"run directory {run_dir} has no complete checkpoint to continue from "
+                         f"(runs write one every --checkpoint-every steps and at --stop-after)")
+    if manifest["world_size"] != world:
+        raise ValueError(f"the checkpoint in {run_dir} was written by {manifest['world_size']} workers, "
+                         f"this run has {world}; resume with the same number of workers")
+
+
+def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -88,6 +114,7 @@ def _launch_local(cfg: TrainConfig, run_dir: str) -> int:
 
     # The elastic agent logs every rendezvous step, and each failure again; workers print their own errors.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "terminating process" on every failure
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
         min_nodes=1,
@@ -97,12 +124,12 @@ def _launch_local(cfg: TrainConfig, run_dir: str) -> int:
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",  # standalone: a free port on loopback, as torchrun --standalone
         rdzv_configs={"timeout": int(cfg.timeout)},
-        max_restarts=0,
+        max_restarts=cfg.max_restarts,  # the agent restarts every worker; they continue from the checkpoint
         monitor_interval=0.5,
         start_method="spawn",
     )
     try:
-        elastic_launch(config, worker_main)(cfg.to_dict(), run_dir)
+        elastic_launch(config, worker_main)(cfg.to_dict(), run_dir, resume)
     except ChildFailedError as exc:
         status = read_status(run_dir) or {}
         if status.get("status") == "failed" and status.get("error"):

@@ -39,6 +39,7 @@ __all__ = [
     "LowRankWeight",
     "RankRule",
     "SVD",
+    "SVDError",
     "ab_param_count",
     "choose_rank",
     "compression_ratio",
@@ -110,10 +111,13 @@ class LowRankWeight(nn.Module):
     # The mode travels with the state_dict (key ``..._extra_state``) so a checkpoint
     # restores both the factors and whether they are in use.
     def get_extra_state(self) -> dict[str, Any]:
-        return {"mode": self.mode}
+        return {"mode": self.mode, "note": self.note}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        if state.get("mode") not in _MODES:
+            raise ValueError(f"low-rank layer state holds an unknown mode {state.get('mode')!r}")
         self.mode = state["mode"]
+        self.note = str(state.get("note", self.note))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # A and B change shape with the rank; adopt the checkpoint's shapes before
@@ -339,11 +343,15 @@ class SVD(NamedTuple):
     Vh: Tensor
 
 
+class SVDError(RuntimeError):
+    """A weight could not be decomposed (non-finite values, or no SVD in float32 nor float64)."""
+
+
 def svd(fp: FactorizedParam) -> SVD:
     """Thin SVD of the current W (viewed m×n) in float32, retried in float64 if float32 fails."""
     w = fp.effective_weight().reshape(fp.m, fp.n)
     if not torch.isfinite(w).all():
-        raise RuntimeError(f"cannot decompose {fp.name}: its weight holds inf or nan")
+        raise SVDError(f"cannot decompose {fp.name}: its weight holds inf or nan")
     for dtype in (torch.float32, torch.float64):
         try:
             u, s, vh = torch.linalg.svd(w.to(dtype), full_matrices=False)
@@ -353,7 +361,7 @@ def svd(fp: FactorizedParam) -> SVD:
         if all(bool(torch.isfinite(t).all()) for t in (u, s, vh)):
             return SVD(u.float(), s.float(), vh.float())
         logger.warning("SVD of %s in %s gave non-finite values", fp.name, dtype)
-    raise RuntimeError(f"SVD of {fp.name} ({fp.m}x{fp.n}) failed in float32 and float64")
+    raise SVDError(f"SVD of {fp.name} ({fp.m}x{fp.n}) failed in float32 and float64")
 
 
 def _set_grads_none(*params: nn.Parameter) -> None:

@@ -27,6 +27,22 @@ def _env_int(name: str, default: int | None = None) -> int | None:
     return int(value) if value not in (None, "") else default
 
 
+def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """After an elastic restart, the agent's store under a prefix of its own for this attempt.
+
+    The agent hands restarted workers the same store as the attempt before;
+    the backend's connection keys of the dead workers are still in it, and a
+    worker that reads one before its peer has overwritten it connects to a
+    closed port. A fresh prefix per attempt keeps attempts apart.
+    """
+    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"abtrain/attempt{restarts}", store)
+
+
 @dataclass
 class Topology:
     """Where this worker sits: rank, world size, its group, device and backend.
@@ -137,8 +153,12 @@ class Topology:
         if use_cuda:
             torch.cuda.set_device(dev)
         if world > 1 and not dist.is_initialized():
-            kwargs = {"device_id": dev} if backend == "nccl" else {}
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+            kwargs: dict = {"device_id": dev} if backend == "nccl" else {}
+            timeout = datetime.timedelta(seconds=timeout_s)
+            store = _restart_store(timeout)
+            if store is not None:
+                kwargs.update(store=store, rank=rank, world_size=world)
+            dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
         topo = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
                    group_size=group_size, device=dev, backend=backend)
         # Subgroup creation is collective: build them now, on every rank, in one order.

@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import Communicator, Ledger
+from . import checkpoint as ckpt
+from .comm import CollectiveError, Communicator, Ledger
 from .config import SECTIONS, TrainConfig
 from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
+from .lowrank import SVDError
 from .methods import build_method
 from .models import build_model, count_parameters
-from .results import (TensorBoard, human_bytes, peak_rss_bytes, summary_table, write_json,
+from .results import (TensorBoard, human_bytes, peak_rss_bytes, read_status, summary_table, write_json,
                       write_metrics_csv, write_status)
 from .topology import Topology
 
@@ -75,6 +77,9 @@ def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than each worker's shard of the training set "
                          f"({len(ds.train)} samples / {world_size} workers = {shard}); use a smaller batch or fewer workers")
     build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
+    total = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch(len(ds.train), world_size, cfg.batch_size)
+    if cfg.stop_after is not None and cfg.stop_after >= total:
+        raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {total} steps")
     if cfg.method not in _method_names():
         raise ValueError(f"unknown method {cfg.method!r}; choose one of: {', '.join(_method_names())}")
     group_size = cfg.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -98,15 +103,16 @@ def _method_names() -> list[str]:
 class Progress:
     """Rank 0's progress: a bar on a terminal, plain periodic lines otherwise."""
 
-    def __init__(self, enabled: bool, total: int, every: int | None) -> None:
+    def __init__(self, enabled: bool, total: int, every: int | None, initial: int = 0) -> None:
         self.enabled = enabled
         self.total = total
+        self.initial = initial  # steps already done by a run this one continues
         self.every = every or max(1, total // 20)
         self.bar = None
         self.start = time.perf_counter()
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def step(self, step: int, info: dict[str, Any]) -> None:
         if not self.enabled:
@@ -118,9 +124,10 @@ class Progress:
             self.bar.set_postfix_str(text, refresh=False)
         elif step % self.every == 0 or step == self.total:
             elapsed = time.perf_counter() - self.start
-            eta = elapsed / step * (self.total - step)
+            rate = (step - self.initial) / max(elapsed, 1e-9)
+            eta = (self.total - step) / max(rate, 1e-9)
             print(f"step {step}/{self.total} ({100 * step / self.total:.0f}%) {text} "
-                  f"{step / elapsed:.1f} steps/s eta {eta:.0f}s", flush=True)
+                  f"{rate:.1f} steps/s eta {eta:.0f}s", flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -135,10 +142,19 @@ class Progress:
             self.bar.close()
 
 
-class Trainer:
-    """One worker's training run."""
+class _Stopped(Exception):
+    """--stop-after reached: leave the method's block without its end-of-training finalize."""
 
-    def __init__(self, cfg: TrainConfig, topo: Topology, run_dir: str) -> None:
+
+class Trainer:
+    """One worker's training run.
+
+    With ``resume=True`` it continues from the run directory's last complete
+    checkpoint: every worker loads its own shard, and the run goes on exactly
+    as if it had never stopped.
+    """
+
+    def __init__(self, cfg: TrainConfig, topo: Topology, run_dir: str, resume: bool = False) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.is_main = topo.rank == 0
         torch.set_num_threads(cfg.threads or max(1, len(os.sched_getaffinity(0)) // topo.local_world_size))
@@ -156,11 +172,23 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(len(self.dataset.train), topo.world_size, cfg.batch_size)
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
+        self.method.plan(self.total_steps)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self._train_loss_sum = 0.0
         self._train_loss_count = 0
         self.wall = 0.0
+        self.eval_due = False  # an evaluation fell due and waits for the workers to agree on one model
+        self.last_checkpoint: int | None = None
+        if cfg.stop_after is not None and cfg.stop_after >= self.total_steps:
+            raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {self.total_steps} steps")
+        if resume:
+            self.load_checkpoint()
+            # Every worker must have its shard before any trains: a worker whose shard is refused leaves
+            # here, and the others' barrier fails on one line instead of deep inside the first step.
+            self.comm.barrier(topo.world)
+            if cfg.stop_after is not None and cfg.stop_after <= self.step:
+                raise ValueError(f"--stop-after {cfg.stop_after}: the run is already at step {self.step}")
 
     # -- the loop ----------------------------------------------------------
     def loss(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -183,7 +211,8 @@ class Trainer:
         self.step += 1
         value = loss.detach().item()
         if not math.isfinite(value):
-            raise FloatingPointError(f"the training loss became {value} at step {self.step}; lower --lr or set --grad-clip")
+            raise FloatingPointError(f"the training loss became {value} at step {self.step}; lower --lr or set "
+                                     f"--grad-clip{self._kept()}")
         self._train_loss_sum += value
         self._train_loss_count += 1
         return value
@@ -228,17 +257,19 @@ class Trainer:
         return row
 
     def run(self) -> dict[str, Any] | None:
+        """Train to the end (returns rank 0's results) or to --stop-after (returns None)."""
         cfg = self.cfg
         if self.is_main:
             print(f"abtrain: {cfg.method} | model {cfg.model} ({self.params:,} parameters) | {cfg.dataset} "
                   f"({len(self.dataset.train):,} train / {len(self.dataset.test):,} test) | "
                   f"{self.topo.world_size} workers ({self.topo.backend}, {self.topo.device.type}) | "
                   f"{self.total_steps} steps ({self.steps_per_epoch} per epoch) | run dir {self.run_dir}", flush=True)
-        progress = Progress(self.is_main, self.total_steps, cfg.log_every)
+            if self.step:
+                print(f"abtrain: continuing from the checkpoint of step {self.step}", flush=True)
+        progress = Progress(self.is_main, self.total_steps, cfg.log_every, initial=self.step)
         tb = TensorBoard(self.run_dir) if self.is_main else None
         eval_every = cfg.eval_every or self.steps_per_epoch
-        start = time.perf_counter()
-        eval_due = False
+        start = time.perf_counter() - self.wall  # wall time of the run, across resumes
 
         def evaluate() -> None:
             self.wall = time.perf_counter() - start
@@ -247,27 +278,150 @@ class Trainer:
             if tb is not None:
                 tb.add(row)
 
-        with self.method.attach(self.optimizer):
-            epoch = 0
-            while self.step < self.total_steps:
-                order = shard_indices(len(self.dataset.train), self.topo.rank, self.topo.world_size, epoch, cfg.seed)
-                for x, y in batches(self.dataset.train, order, cfg.batch_size):
-                    loss = self.train_step(x, y)
-                    progress.step(self.step, {"phase": self.method.phase, "loss": loss,
-                                              "wire": self.ledger.wire_total, "global": self.ledger.global_wire_total})
-                    eval_due = eval_due or self.step % eval_every == 0
-                    # Evaluate a model every worker holds: methods whose workers drift apart
-                    # (AB phases) defer the evaluation to their next point of agreement.
-                    if eval_due and self.step < self.total_steps and self.method.in_consensus():
-                        evaluate()
-                        eval_due = False
-                    if self.step >= self.total_steps:
-                        break
-                epoch += 1
+        def checkpoint() -> None:
+            self.wall = time.perf_counter() - start
+            self.save_checkpoint()
+
+        try:
+            with self.method.attach(self.optimizer):
+                while self.step < self.total_steps:
+                    # Every epoch has exactly steps_per_epoch batches, so the step says where the data order is.
+                    epoch, done = divmod(self.step, self.steps_per_epoch)
+                    order = shard_indices(len(self.dataset.train), self.topo.rank, self.topo.world_size, epoch, cfg.seed)
+                    for x, y in batches(self.dataset.train, order[done * cfg.batch_size:], cfg.batch_size):
+                        loss = self.train_step(x, y)
+                        progress.step(self.step, {"phase": self.method.phase, "loss": loss,
+                                                  "wire": self.ledger.wire_total, "global": self.ledger.global_wire_total})
+                        self.eval_due = self.eval_due or self.step % eval_every == 0
+                        # Evaluate a model every worker holds: methods whose workers drift apart
+                        # (AB phases) defer the evaluation to their next point of agreement.
+                        if self.eval_due and self.step < self.total_steps and self.method.in_consensus():
+                            evaluate()
+                            self.eval_due = False
+                        if self.step >= self.total_steps:
+                            break
+                        if self.step == cfg.stop_after:
+                            checkpoint()
+                            raise _Stopped
+                        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                            checkpoint()
+                # The state right after the last optimizer step, before the method's finalize: a worker
+                # that dies during the final evaluation restarts from here and finishes the same way.
+                if self.last_checkpoint != self.step:
+                    checkpoint()
+        except _Stopped:
+            progress.close()
+            if tb is not None:
+                tb.close()
+            if self.is_main:
+                write_status(self.run_dir, "stopped", step=self.step,
+                             resume=f"abtrain train --resume {self.run_dir}")
+                print(f"abtrain: stopped after step {self.step} of {self.total_steps}; checkpoint in "
+                      f"{ckpt.checkpoint_root(self.run_dir)}; continue with: abtrain train --resume {self.run_dir}",
+                      flush=True)
+            return None
         evaluate()  # after the block: the method's finalize has brought every worker to one model
         progress.close()
         self.wall = time.perf_counter() - start
         return self.finish(tb)
+
+    # -- checkpoints -------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint must match to be continued by this run."""
+        return {"method": self.cfg.method, "model": self.cfg.model, "dataset": self.cfg.dataset,
+                "world_size": self.topo.world_size, "group_size": self.topo.group_size, "params": self.params}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's whole state after optimizer step ``self.step`` (tensors and plain containers only)."""
+        epoch, done = divmod(self.step, self.steps_per_epoch)
+        return {
+            "format": ckpt.FORMAT,
+            "version": ckpt.VERSION,
+            "meta": {**self._meta(), "rank": self.topo.rank},
+            "step": self.step,
+            "data": {"epoch": epoch, "batch": done},
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "method": self.method.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "rng": ckpt.rng_state(),
+            "history": self.history,
+            "train_loss": [self._train_loss_sum, self._train_loss_count],
+            "eval_due": self.eval_due,
+            "wall_seconds": self.wall,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        meta = state.get("meta", {})
+        expected = {**self._meta(), "rank": self.topo.rank}
+        for key, value in expected.items():
+            if meta.get(key) != value:
+                raise ValueError(f"checkpoint was written for {key.replace('_', ' ')} {meta.get(key)!r}, this run has "
+                                 f"{value!r}; it cannot be continued with these settings")
+        epoch, done = divmod(state["step"], self.steps_per_epoch)
+        if state["data"] != {"epoch": epoch, "batch": done}:
+            raise ValueError(f"checkpoint's data position {state['data']} does not match step {state['step']} "
+                             f"with {self.steps_per_epoch} steps per epoch (--batch-size or the dataset changed)")
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise ValueError(f"checkpoint does not fit the model {self.cfg.model}: "
+                             f"{str(exc).strip().splitlines()[0][:200]}") from None
+        self.method.load_state_dict(state["method"])  # after the model: AB's factors and modes come with it
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.ledger.load_state_dict(state["ledger"])
+        ckpt.set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.history = list(state["history"])
+        self._train_loss_sum, self._train_loss_count = state["train_loss"]
+        self.eval_due = state["eval_due"]
+        self.wall = state["wall_seconds"]
+
+    def load_checkpoint(self) -> None:
+        """Load this worker's shard of the run directory's last complete checkpoint."""
+        manifest = ckpt.read_manifest(self.run_dir)
+        if manifest is None:
+            raise ValueError(f"run directory {self.run_dir} has no complete checkpoint to continue from")
+        ckpt.check_manifest(manifest, {k: v for k, v in self._meta().items() if k != "params"},
+                            ckpt.checkpoint_root(self.run_dir))
+        state = ckpt.load_shard(ckpt.shard_path(self.run_dir, manifest, self.topo.rank))
+        if state.get("step") != manifest["step"]:
+            raise ValueError(f"checkpoint shard of worker {self.topo.rank} is for step {state.get('step')}, "
+                             f"the manifest for step {manifest['step']}")
+        try:
+            self.load_state_dict(state)
+        except (KeyError, TypeError, IndexError) as exc:
+            raise ValueError(f"checkpoint of step {manifest['step']} lacks or garbles its {exc} entry") from None
+        self.last_checkpoint = self.step
+
+    def _non_finite(self) -> str | None:
+        """Name of the first parameter or buffer holding inf or nan, if any."""
+        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+                return name
+        return None
+
+    def _kept(self) -> str:
+        if self.last_checkpoint is None:
+            return ""
+        return f" (the last good checkpoint, of step {self.last_checkpoint}, is kept in {ckpt.checkpoint_root(self.run_dir)})"
+
+    def save_checkpoint(self) -> None:
+        """Write this worker's shard; rank 0 declares the checkpoint complete once every worker has written."""
+        bad = self._non_finite()
+        if bad is not None:
+            raise FloatingPointError(f"{bad} holds inf or nan after step {self.step}; no checkpoint written"
+                                     f"{self._kept()}; lower --lr or set --grad-clip")
+        directory = ckpt.step_dir(self.run_dir, self.step)
+        ckpt.save_shard(os.path.join(directory, ckpt.shard_name(self.topo.rank)), self.state_dict())
+        # A plain barrier (no data, not in the ledger): the manifest may only name shards that exist.
+        self.comm.barrier(self.topo.world)
+        if self.is_main:
+            ckpt.write_manifest(self.run_dir, self.step, self.topo.world_size,
+                                {k: v for k, v in self._meta().items() if k != "params"})
+        self.last_checkpoint = self.step
 
     def finish(self, tb: TensorBoard | None) -> dict[str, Any] | None:
         with self.ledger.in_phase("eval"):
@@ -300,6 +454,10 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "torch_version": torch.__version__,
         }
+        bad = self._non_finite()
+        if bad is not None:
+            raise FloatingPointError(f"{bad} holds inf or nan at the end of training{self._kept()}")
+        ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.model.state_dict())
         write_metrics_csv(os.path.join(self.run_dir, "metrics.csv"), self.history)
         write_json(os.path.join(self.run_dir, "results.json"), results)
         write_status(self.run_dir, "complete")
@@ -320,24 +478,60 @@ def _eval_line(row: dict[str, Any]) -> str:
     return text + f" wire {human_bytes(row['wire_bytes'])}"
 
 
-def worker_main(cfg_dict: dict[str, Any], run_dir: str) -> None:
-    """Entry point of one worker process (local launcher, torchrun or srun)."""
+def restart_count() -> int:
+    """How often torch's elastic agent has restarted this worker group (0 on the first start)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    except ValueError:
+        return 0
+
+
+def _fail(run_dir: str, error: str, retry: bool) -> None:
+    """Mark the run failed, unless another worker already recorded this attempt's first failure."""
+    status = read_status(run_dir) or {}
+    if status.get("status") != "failed" or status.get("attempt") != restart_count():
+        write_status(run_dir, "failed", error=error, retry=retry, attempt=restart_count())
+
+
+def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, report: bool = False) -> None:
+    """Entry point of one worker process (local launcher, torchrun or srun).
+
+    After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) the worker
+    continues from the run directory's checkpoint when there is one. Errors a
+    user can act on end the worker with exit code 2 and one line in
+    status.json (and on stderr when ``report``: no launcher above prints it).
+    """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = TrainConfig.from_dict(cfg_dict)
+    restarts = restart_count()
+    if restarts:
+        status = read_status(run_dir) or {}
+        if os.path.exists(os.path.join(run_dir, "results.json")):
+            return  # the run completed before the restart
+        if status.get("status") == "failed" and status.get("retry") is False:
+            raise SystemExit(2)  # the same input fails the same way again: do not redo the work
     topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=cfg.group_size,
                              timeout_s=cfg.timeout)
     try:
-        trainer = Trainer(cfg, topo, run_dir)
+        resume = resume or (restarts > 0 and ckpt.read_manifest(run_dir) is not None)
+        trainer = Trainer(cfg, topo, run_dir, resume=resume)
+        if topo.rank == 0 and (resume or restarts):
+            write_status(run_dir, "running", world_size=topo.world_size, restarts=restarts, resumed_from=trainer.step)
         trainer.run()
-    except (ValueError, FloatingPointError) as exc:
-        if topo.rank == 0:
-            write_status(run_dir, "failed", error=str(exc))
-        raise SystemExit(2) from None
+    except (ValueError, FloatingPointError, SVDError, CollectiveError) as exc:
+        # One line: wrong input, diverging training, an undecomposable layer, a peer that stopped answering.
+        if report:
+            print(f"abtrain: error: worker {topo.rank}: {exc}", file=sys.stderr, flush=True)
+        _fail(run_dir, str(exc), retry=isinstance(exc, CollectiveError))
+        raise SystemExit(1 if isinstance(exc, CollectiveError) else 2) from None
     except Exception as exc:
+        status = read_status(run_dir) or {}
+        if status.get("status") == "failed" and status.get("attempt") == restarts:
+            # Another worker failed first and said why; this one only lost its peer.
+            raise SystemExit(1) from None
         # Print the traceback here: the launcher keeps its own logging quiet.
         traceback.print_exc()
-        if topo.rank == 0:
-            write_status(run_dir, "failed", error=f"{type(exc).__name__}: {exc}")
+        _fail(run_dir, f"{type(exc).__name__}: {exc}", retry=True)
         raise SystemExit(1) from None
     finally:
         topo.close()

@@ -25,6 +25,7 @@ from torch import nn
 from ..comm import Communicator
 from ..topology import Topology
 from .base import Method
+from ..validate import check_types
 
 
 @dataclass
@@ -36,6 +37,7 @@ class DiLoCoConfig:
     outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer SGD (0: plain SGD)"})
 
     def __post_init__(self) -> None:
+        check_types(self, "--diloco-")
         if isinstance(self.h, bool) or not isinstance(self.h, int) or self.h < 1:
             raise ValueError(f"--diloco-h must be a positive integer, got {self.h!r}")
         if not self.outer_lr > 0:

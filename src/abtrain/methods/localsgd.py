@@ -17,6 +17,7 @@ import torch
 from ..comm import Communicator
 from ..topology import Topology
 from .base import Method
+from ..validate import check_types
 
 
 @dataclass
@@ -26,6 +27,7 @@ class LocalSGDConfig:
     h: int = field(default=8, metadata={"help": "local optimizer steps between two averages of the model (H; 1 is DDP for plain SGD)"})
 
     def __post_init__(self) -> None:
+        check_types(self, "--localsgd-")
         if isinstance(self.h, bool) or not isinstance(self.h, int) or self.h < 1:
             raise ValueError(f"--localsgd-h must be a positive integer, got {self.h!r}")
 

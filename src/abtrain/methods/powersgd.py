@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDS
 from ..comm import Communicator, Group
 from ..topology import Topology
 from .ddp import DDPMethod
+from ..validate import check_types
 
 
 @dataclass
@@ -46,6 +47,7 @@ class PowerSGDConfig:
     seed: int = field(default=0, metadata={"help": "seed of the random initial Qs (the same on every worker)"})
 
     def __post_init__(self) -> None:
+        check_types(self, "--powersgd-")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"--powersgd-rank must be a positive integer, got {self.rank!r}")
         # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start:
@@ -233,10 +235,15 @@ class PowerSGD(DDPMethod):
 
     def state_dict(self) -> dict[str, Any]:
         out = {name: getattr(self.state, name) for name in self._STATE}
-        out["rng"] = self.state.rng.get_state()
+        # numpy's RandomState as plain values and a tensor, loadable with torch.load(weights_only=True).
+        kind, keys, pos, has_gauss, cached = self.state.rng.get_state()
+        out["rng"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self._STATE:
             setattr(self.state, name, state[name])
-        self.state.rng.set_state(state["rng"])
+        rng = state["rng"]
+        self.state.rng.set_state((rng["kind"], rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
+                                  rng["cached_gaussian"]))

@@ -1,0 +1,192 @@
+"""Checkpoints in the run directory: one shard per worker, a manifest, atomic writes, safe loading.
+
+Layout::
+
+    RUN_DIR/checkpoint/step-00000120/rank0.pt   # each worker's own state (AB groups and optimizer
+    RUN_DIR/checkpoint/step-00000120/rank1.pt   #   states differ between workers)
+    RUN_DIR/checkpoint/latest.json              # the manifest: which step is complete, file sizes
+
+A shard is written to a temporary file, fsynced and renamed. Rank 0 writes
+the manifest only after every worker has finished its shard (a barrier), and
+removes older step directories only after that. Until the manifest names the
+new step, the previous checkpoint stays the one a resume uses, so a crash at
+any moment leaves a complete checkpoint (or none) behind.
+
+Shards hold only tensors and plain containers (dict, list, str, int, float,
+bool, None) and are read with ``torch.load(weights_only=True)``, which refuses
+pickles that would run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import tempfile
+import warnings
+import zipfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from .results import write_json
+
+FORMAT = "abtrain-checkpoint"
+VERSION = 1
+DIRNAME = "checkpoint"
+MANIFEST = "latest.json"
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, DIRNAME)
+
+
+def step_dir(run_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_root(run_dir), f"step-{step:08d}")
+
+
+def shard_name(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_shard(path: str, state: dict[str, Any]) -> None:
+    """``torch.save`` through a temporary file in the same directory, fsync, rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def write_manifest(run_dir: str, step: int, world_size: int, meta: dict[str, Any]) -> None:
+    """Declare step ``step`` complete (every shard is on disk), then drop older step directories."""
+    directory = step_dir(run_dir, step)
+    files = {}
+    for rank in range(world_size):
+        path = os.path.join(directory, shard_name(rank))
+        files[shard_name(rank)] = os.path.getsize(path)
+    write_json(os.path.join(checkpoint_root(run_dir), MANIFEST),
+               {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+                "dir": os.path.basename(directory), "files": files, **meta})
+    _fsync_dir(checkpoint_root(run_dir))
+    # Only older steps: a newer directory may be a partial write of a run that crashed and is being redone.
+    for name in os.listdir(checkpoint_root(run_dir)):
+        if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) < step:
+            shutil.rmtree(os.path.join(checkpoint_root(run_dir), name), ignore_errors=True)
+
+
+def read_manifest(run_dir: str) -> dict[str, Any] | None:
+    """The manifest of the run's last complete checkpoint, None when there is none; ValueError when unreadable."""
+    path = os.path.join(checkpoint_root(run_dir), MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"checkpoint manifest {path} is unreadable ({exc}); the checkpoint cannot be used") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an abtrain checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise ValueError(f"checkpoint {path} has format version {manifest.get('version')!r}; "
+                         f"this abtrain reads version {VERSION}")
+    for key, kind in (("step", int), ("world_size", int), ("dir", str), ("files", dict)):
+        if not isinstance(manifest.get(key), kind):
+            raise ValueError(f"checkpoint manifest {path} lacks a valid {key!r}")
+    return manifest
+
+
+def check_manifest(manifest: dict[str, Any], expected: dict[str, Any], where: str) -> None:
+    """Refuse a checkpoint written by another model, method, dataset or world size (one line)."""
+    for key, value in expected.items():
+        if manifest.get(key) != value:
+            raise ValueError(f"checkpoint in {where} was written for {key.replace('_', ' ')} {manifest.get(key)!r}, "
+                             f"this run has {value!r}; it cannot be continued with these settings")
+
+
+def shard_path(run_dir: str, manifest: dict[str, Any], rank: int) -> str:
+    """Path of ``rank``'s shard, checked against the manifest (presence and size: a truncated file is refused)."""
+    path = os.path.join(checkpoint_root(run_dir), manifest["dir"], shard_name(rank))
+    expected = manifest["files"].get(shard_name(rank))
+    if expected is None:
+        raise ValueError(f"checkpoint of step {manifest['step']} has no shard for worker {rank}")
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise ValueError(f"checkpoint shard {path} is missing") from None
+    if size != expected:
+        raise ValueError(f"checkpoint shard {path} is {size} bytes, the manifest says {expected}: "
+                         f"the file is truncated or was replaced")
+    return path
+
+
+def load_shard(path: str) -> dict[str, Any]:
+    """Read one shard with ``weights_only=True``; any problem is one ValueError line."""
+    try:
+        with warnings.catch_warnings():  # torch warns about foreign pickle protocols before refusing them
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"checkpoint {path} holds objects that a safe load refuses (it may run code): "
+                         f"{first[:200]}") from None
+    except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile, KeyError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"checkpoint {path} is corrupt or truncated: {first[:200]}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an abtrain checkpoint")
+    return state
+
+
+# -- random number generators ---------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Every generator a worker may draw from, as tensors and plain values."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,57 @@
+"""Type checks shared by the option dataclasses.
+
+A value of the wrong type (a string for a number, a float for a count, NaN)
+must be reported as a ``ValueError`` naming the flag, not surface later as a
+``TypeError`` from a comparison deep in the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+def _type_name(annotation: Any) -> str:
+    # Annotations are strings under ``from __future__ import annotations``, types otherwise.
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+
+
+def check_types(obj: Any, flag_prefix: str = "--") -> None:
+    """Check every scalar field of dataclass ``obj`` against its annotation; raise ValueError on a mismatch.
+
+    Handles ``int``, ``float``, ``str``, ``bool`` and their ``| None`` forms;
+    other fields (option sections) are left to their owner. An integer given
+    for a float field is converted to float; floats must be finite.
+    """
+    for f in dataclasses.fields(obj):
+        parts = [p.strip() for p in _type_name(f.type).split("|")]
+        optional = "None" in parts
+        kinds = [p for p in parts if p != "None"]
+        if len(kinds) != 1 or kinds[0] not in ("int", "float", "str", "bool"):
+            continue
+        kind = kinds[0]
+        value = getattr(obj, f.name)
+        flag = flag_prefix + f.name.replace("_", "-")
+        if value is None:
+            if optional:
+                continue
+            raise ValueError(f"{flag} needs a value, got None")
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be true or false, got {value!r}")
+        elif kind == "str":
+            if not isinstance(value, str):
+                raise ValueError(f"{flag} must be a string, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}")
+        elif kind == "int" and not isinstance(value, int):
+            raise ValueError(f"{flag} must be an integer, got {value!r}")
+        elif kind == "float":
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(f"{flag} is too large, got {value!r}") from None
+            if not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number, got {value!r}")
+            setattr(obj, f.name, value)
