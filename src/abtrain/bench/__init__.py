@@ -1,0 +1,8 @@
+"""``abtrain bench``: several methods on one workload, side by side, optionally through a real shaped network."""
+
+from .projection import NetworkModel
+from .runner import BenchConfig, parse_method_args, run_bench
+from .workloads import DEFAULT_METHODS, WORKLOADS, Workload, get_workload
+
+__all__ = ["BenchConfig", "DEFAULT_METHODS", "NetworkModel", "WORKLOADS", "Workload", "get_workload",
+           "parse_method_args", "run_bench"]

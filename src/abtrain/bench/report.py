@@ -1,0 +1,262 @@
+"""The bench report: one row per method, Pareto front, time to DDP's result, measured vs counted bytes,
+the α-β projection; written as report.json and report.md."""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..results import atomic_write, human_bytes, write_json
+from .projection import project
+from .workloads import Workload
+
+if TYPE_CHECKING:
+    from .runner import BenchConfig, Outcome
+
+
+PHASE_ORDER = ("setup", "warmup", "train", "ab", "sync", "rebound", "local", "average", "inner", "outer", "eval")
+
+
+def ordered_phases(names: set[str]) -> list[str]:
+    """Phases in the order a run goes through them; unknown labels last, alphabetically."""
+    return sorted(names, key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER), p))
+
+
+def metric_of(results: dict[str, Any], metric: str) -> float | None:
+    """The final value of the workload's metric (test accuracy, or test perplexity for a language model)."""
+    return results["final"].get("test_perplexity" if metric == "perplexity" else "test_accuracy")
+
+
+def better_or_equal(a: float, b: float, metric: str) -> bool:
+    return a <= b if metric == "perplexity" else a >= b
+
+
+def time_to_reach(history: list[dict[str, Any]], target: float, metric: str) -> float | None:
+    """wall_seconds of the first evaluation at least as good as ``target``; None when never reached."""
+    key = "test_perplexity" if metric == "perplexity" else "test_accuracy"
+    for row in history:
+        value = row.get(key)
+        if value is not None and better_or_equal(value, target, metric):
+            return float(row["wall_seconds"])
+    return None
+
+
+def pareto_front(points: dict[str, tuple[float, float]], metric: str) -> set[str]:
+    """Methods no other method beats on both (final metric, global bytes) with one strictly better.
+
+    ``points`` maps a method to (metric, global wire bytes); accuracy is better high, perplexity low.
+    """
+    front = set()
+    for name, (m, b) in points.items():
+        dominated = any(
+            better_or_equal(m2, m, metric) and b2 <= b and (m2 != m or b2 != b)
+            for other, (m2, b2) in points.items() if other != name)
+        if not dominated:
+            front.add(name)
+    return front
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome"], out: str,
+                 interrupted: bool = False) -> dict[str, Any]:
+    """Everything report.json holds; report.md and the plots are drawn from it."""
+    metric = workload.metric
+    done = {o.method: o.results for o in outcomes if o.status == "complete" and o.results}
+    ddp, none = done.get("ddp"), done.get("none")
+    target = metric_of(ddp, metric) if ddp else None
+    points = {m: (metric_of(r, metric), r["comm"]["by_scope"]["global"]["wire_bytes"]) for m, r in done.items()
+              if metric_of(r, metric) is not None}
+    front = pareto_front(points, metric)
+    rate = cfg.net_spec.rate_bytes_per_s if cfg.net_spec else None
+    rows = []
+    for o in outcomes:
+        row: dict[str, Any] = o.to_dict()
+        r = o.results
+        if r is not None:
+            comm = r["comm"]
+            g, total = comm["by_scope"]["global"]["wire_bytes"], comm["wire_bytes"]
+            reached = time_to_reach(r["history"], target, metric) if target is not None else None
+            row.update({
+                "metric": metric_of(r, metric),
+                "test_accuracy": r["final"]["test_accuracy"],
+                "test_perplexity": r["final"].get("test_perplexity"),
+                "test_loss": r["final"]["test_loss"],
+                "steps": r["steps"],
+                "world_size": r["world_size"],
+                "group_size": r.get("group_size"),
+                "global_wire_bytes": g,
+                "group_wire_bytes": comm["by_scope"]["group"]["wire_bytes"],
+                "wire_bytes": total,
+                "payload_bytes": comm["payload_bytes"],
+                "global_reduction_vs_ddp": _ratio(ddp["comm"]["by_scope"]["global"]["wire_bytes"], g) if ddp else None,
+                "total_reduction_vs_ddp": _ratio(ddp["comm"]["wire_bytes"], total) if ddp else None,
+                "compression_ratio": r.get("compression_ratio"),
+                "wall_seconds": r["wall_seconds"],
+                "wall_vs_none": _ratio(r["wall_seconds"], none["wall_seconds"]) if none else None,
+                "time_to_ddp_metric": reached,
+                "peak_rss_bytes": r["peak_rss_bytes"],
+                "by_phase": {p: v["wire_bytes"] for p, v in comm["by_phase"].items()},
+                "pareto": o.method in front,
+                "history": [{k: h.get(k) for k in ("step", "test_accuracy", "test_perplexity", "wire_bytes",
+                                                   "global_wire_bytes", "wall_seconds")} for h in r["history"]],
+            })
+            if o.measured is not None:
+                tx = o.measured["tx_bytes"]
+                mean_tx = sum(tx) / len(tx)
+                row["measured"] = {**o.measured, "tx_bytes_mean": mean_tx, "counted_wire_bytes": total,
+                                   "ratio": _ratio(mean_tx, total),
+                                   "ideal_wire_seconds": total / rate if rate else None}
+        rows.append(row)
+    # Compute per step: the `none` run has no communication at all, so its wall time per step is compute
+    # (and evaluation) only; without it, each run's wall time less the time spent in collectives.
+    compute = {}
+    for m, r in done.items():
+        if none is not None:
+            compute[m] = none["wall_seconds"] / max(1, none["steps"])
+        else:
+            compute[m] = max(0.0, r["wall_seconds"] - r["comm"]["seconds"]) / max(1, r["steps"])
+    projection = project(done, cfg.network_model, compute) if done else None
+    if projection is not None:
+        projection["compute_source"] = "none run: wall seconds / steps" if none else "each run: (wall - comm) / steps"
+        projection["description"] = cfg.network_model.describe()
+    return {
+        "workload": {"name": workload.name, "description": workload.description, "quick": cfg.quick,
+                     "metric": metric, "steps": workload.steps, "train_args": workload.train_args,
+                     "method_args": workload.method_args},
+        "command": " ".join(shlex.quote(a) for a in sys.argv) if sys.argv and sys.argv[0] else None,
+        "extra": cfg.extra,
+        "user_method_args": cfg.method_args,
+        "net": ({"spec": cfg.net, "description": cfg.net_spec.describe(), "rate_bytes_per_s": rate,
+                 "delay_seconds": cfg.net_spec.delay_seconds} if cfg.net_spec else None),
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "interrupted": interrupted,
+        "ddp_target": target,
+        "pareto_front": sorted(front),
+        "methods": rows,
+        "projection": projection,
+        "plots": ["accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_phase.png"],
+    }
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "", missing: str = "–") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec) + suffix
+
+
+def _reduction(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return "∞" if math.isinf(x) else f"{x:.1f}×"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """report.md: the tables a reader compares methods with."""
+    w = report["workload"]
+    ppl = w["metric"] == "perplexity"
+    metric_name = "test perplexity" if ppl else "test accuracy"
+    lines = [f"# abtrain bench: {w['name']}{' (quick)' if w['quick'] else ''}", "",
+             f"{w['description']}. Every method runs with the same data order, seed, workers, groups and step "
+             f"budget ({w['steps']} steps), each as its own `abtrain train` run. Bytes are per worker, as counted "
+             f"by the ledger (modelled wire bytes). `global` is traffic between groups of workers.", "",
+             f"- shared flags: `{' '.join(shlex.quote(a) for a in w['train_args'])}`"]
+    for m, args in w["method_args"].items():
+        lines.append(f"- `{m}` adds: `{' '.join(args)}`")
+    if report["extra"]:
+        lines.append(f"- `--extra` for every run: `{report['extra']}`")
+    for m, args in report["user_method_args"].items():
+        lines.append(f"- `--method-args` for `{m}`: `{args}`")
+    if report["net"]:
+        lines.append(f"- network: each worker in its own network namespace, {report['net']['description']} "
+                     f"(`--net {report['net']['spec']}`)")
+    if report["interrupted"]:
+        lines.append("- **interrupted**: methods after the interruption did not run")
+    lines += ["", "## Results", "",
+              f"| method | {metric_name} | global wire | total wire | global vs DDP | total vs DDP | compression | "
+              f"wall | × none | time to DDP's {'perplexity' if ppl else 'accuracy'} | peak RSS | Pareto |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
+    failed = []
+    for r in report["methods"]:
+        if r["status"] != "complete":
+            lines.append(f"| {r['method']} | **{r['status']}** |" + " |" * 10)
+            failed.append(r)
+            continue
+        metric = _fmt(r["metric"], ".2f") if ppl else _fmt(r["metric"] * 100 if r["metric"] is not None else None,
+                                                          ".2f", " %")
+        reached = _fmt(r["time_to_ddp_metric"], ".1f", " s",
+                       missing="not reached" if report["ddp_target"] is not None else "–")
+        comp = _fmt(r["compression_ratio"], ".1f", ":1")
+        lines.append(
+            f"| {r['method']} | {metric} | {human_bytes(r['global_wire_bytes'])} | {human_bytes(r['wire_bytes'])} | "
+            f"{_reduction(r['global_reduction_vs_ddp'])} | {_reduction(r['total_reduction_vs_ddp'])} | {comp} | "
+            f"{r['wall_seconds']:.1f} s | {_fmt(r['wall_vs_none'], '.2f', '×')} | {reached} | "
+            f"{human_bytes(r['peak_rss_bytes'])} | {'★' if r['pareto'] else ''} |")
+    lines += ["",
+              f"★ Pareto front of ({metric_name} {'↓' if ppl else '↑'}, global wire bytes ↓): "
+              f"{', '.join(report['pareto_front']) or '–'}. "
+              "\"vs DDP\": DDP's bytes divided by the method's (× less). \"× none\": wall time relative to `none`, "
+              "where every worker trains alone (the compute floor; it evaluates each worker's own model). "
+              "\"time to DDP's …\": wall seconds at the first evaluation as good as DDP's final value."]
+    for r in failed:
+        lines += ["", f"**{r['method']} {r['status']}**: {r['error']}  ", f"run directory: `{r['run_dir']}`"]
+    measured = [r for r in report["methods"] if r.get("measured") and r["status"] == "complete"]
+    if measured:
+        lines += ["", "## Measured on the wire", "",
+                  "Bytes each worker's interface sent during the run (`/proc/net/dev` in its namespace, TCP/IP "
+                  "headers, acknowledgements and rendezvous included), against the ledger's counted wire bytes.", "",
+                  "| method | counted wire / worker | measured tx / worker (mean) | measured / counted | "
+                  "per worker (tx) | counted bytes at the link rate |", "|---|---:|---:|---:|---|---:|"]
+        for r in measured:
+            m = r["measured"]
+            lines.append(f"| {r['method']} | {human_bytes(m['counted_wire_bytes'])} | {human_bytes(m['tx_bytes_mean'])} "
+                         f"| {_fmt(m['ratio'], '.3f')} | {', '.join(human_bytes(t) for t in m['tx_bytes'])} | "
+                         f"{_fmt(m['ideal_wire_seconds'], '.2f', ' s')} |")
+    done = [r for r in report["methods"] if r["status"] == "complete"]
+    if done:
+        phases = ordered_phases({p for r in done for p in r["by_phase"]})
+        lines += ["", "## Wire bytes per phase (per worker)", "", "| method | " + " | ".join(phases) + " |",
+                  "|---|" + "---:|" * len(phases)]
+        for r in done:
+            lines.append(f"| {r['method']} | " + " | ".join(
+                human_bytes(r["by_phase"][p]) if p in r["by_phase"] else "–" for p in phases) + " |")
+    proj = report["projection"]
+    if proj:
+        lines += ["", "## Projection beyond one machine (a model, not a measurement)", "",
+                  f"Seconds per epoch (an epoch of this run's samples, same batch per worker) under an α-β network "
+                  f"model: {proj['description']}. Compute per step: {proj['compute_source']}, as measured here. "
+                  "Counted bytes per phase and scope rescaled to each worker count; `group` traffic inside a node, "
+                  "`global` between nodes; no overlap of compute and communication. Formula: docs/bench.md. "
+                  "Override with --intra-bw, --inter-bw, --intra-latency, --inter-latency, --node-size.", "",
+                  "| method | " + " | ".join(f"{p} workers" for p in proj["workers"]) + " |",
+                  "|---|" + "---:|" * len(proj["workers"])]
+        for m, secs in proj["epoch_seconds"].items():
+            lines.append(f"| {m} | " + " | ".join(f"{s:.3g} s" for s in secs) + " |")
+        lines += ["", "Communication per step in the model:", "",
+                  "| method | " + " | ".join(f"{p}" for p in proj["workers"]) + " |",
+                  "|---|" + "---:|" * len(proj["workers"])]
+        for m, secs in proj["comm_seconds_per_step"].items():
+            lines.append(f"| {m} | " + " | ".join(f"{s * 1e3:.3g} ms" for s in secs) + " |")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out: str) -> None:
+    """report.json, report.md and the PNG plots (plots are skipped with a note when matplotlib is missing)."""
+    from .plots import write_plots
+
+    try:
+        write_plots(report, out)
+    except ImportError:
+        report["plots"] = []
+        print("abtrain bench: matplotlib is not installed, no plots (pip install 'abtrain[plots]')", flush=True)
+    write_json(os.path.join(out, "report.json"), report)
+    atomic_write(os.path.join(out, "report.md"), render_markdown(report))

@@ -1,0 +1,122 @@
+"""Named benchmark workloads: plain functions returning the ``abtrain train`` flags every method shares.
+
+A workload fixes what a fair comparison must hold equal across methods: model,
+data, seed, number of workers, ``--group-size`` (so that the scopes ``group``
+and ``global`` mean the same thing for every method) and the step budget. Each
+method may add its own flags (AB-training's schedule, scaled to the budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..data import steps_per_epoch
+
+DEFAULT_METHODS = ("none", "ddp", "powersgd", "localsgd", "diloco", "ab")
+
+FASHION_TRAIN = 60_000  # Fashion-MNIST's training split
+SHAKESPEARE_STEPS = 2000
+
+
+@dataclass
+class Workload:
+    """A named set of ``abtrain train`` flags shared by every method, plus per-method flags."""
+
+    name: str
+    description: str
+    train_args: list[str]
+    steps: int  # the step budget, to scale schedules and to report
+    metric: str = "accuracy"  # "accuracy" (higher is better) or "perplexity" (lower is better)
+    method_args: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("accuracy", "perplexity"):
+            raise ValueError(f"workload metric must be accuracy or perplexity, got {self.metric!r}")
+        if self.steps < 1:
+            raise ValueError(f"workload {self.name}: the step budget must be positive, got {self.steps}")
+
+    def args_for(self, method: str) -> list[str]:
+        """The full ``abtrain train`` flags of ``method`` on this workload (without --out)."""
+        return [*self.train_args, "--method", method, *self.method_args.get(method, [])]
+
+
+def ab_schedule(steps: int, warmup: float = 0.28, cycle: float = 0.21, rebound: float = 0.015,
+                lr_rebound: float = 0.07) -> list[str]:
+    """AB-training's schedule as fractions of the step budget.
+
+    The defaults are abtrain's own (T_w 200, K 150, F 10, R 50) relative to
+    the 702 steps of the default job, so a shorter budget gets the same shape:
+    warm-up, then about four cycles.
+    """
+    k = max(2, round(cycle * steps))
+    f = min(k - 1, max(1, round(rebound * steps)))
+    return ["--ab-warmup-steps", str(max(1, round(warmup * steps))), "--ab-cycle-steps", str(k),
+            "--ab-rebound-steps", str(f), "--ab-lr-rebound-steps", str(round(lr_rebound * steps))]
+
+
+def _fashion(name: str, model: str, quick: bool, lr: float) -> Workload:
+    workers, group, batch = 4, 2, 64
+    train = 6144 if quick else FASHION_TRAIN
+    steps = 3 * steps_per_epoch(train, workers, batch)
+    args = ["--model", model, "--dataset", "fashion-mnist", "--workers", str(workers), "--group-size", str(group),
+            "--epochs", "3", "--batch-size", str(batch), "--optimizer", "sgd", "--lr", str(lr), "--seed", "0",
+            "--eval-every", str(steps // 6)]  # twice per epoch: time-to-accuracy needs a few points
+    if quick:
+        args += ["--limit-train", str(train), "--limit-test", "2000"]
+    return Workload(name, f"{model} on Fashion-MNIST, {workers} workers in groups of {group}, 3 epochs"
+                          f"{' of the first 6144 samples (quick)' if quick else ''}, SGD lr {lr}",
+                    args, steps, method_args={"ab": ab_schedule(steps)})
+
+
+def fashion_cnn(quick: bool = False) -> Workload:
+    """The default job's CNN on Fashion-MNIST."""
+    return _fashion("fashion-cnn", "cnn", quick, lr=0.05)
+
+
+def fashion_resnet(quick: bool = False) -> Workload:
+    """A small ResNet on Fashion-MNIST."""
+    return _fashion("fashion-resnet", "resnet", quick, lr=0.05)
+
+
+def shakespeare_gpt(quick: bool = False) -> Workload:
+    """The character-level GPT on Shakespeare with AdamW and a fixed step budget."""
+    workers, group = 4, 2
+    steps = 60 if quick else SHAKESPEARE_STEPS
+    batch = 32 if quick else 64
+    args = ["--model", "gpt", "--dataset", "shakespeare", "--workers", str(workers), "--group-size", str(group),
+            "--steps", str(steps), "--batch-size", str(batch), "--optimizer", "adamw", "--lr", "3e-3",
+            "--weight-decay", "0.1", "--warmup-lr-steps", str(max(1, steps // 20)),
+            "--eval-every", str(steps // (5 if quick else 10)), "--seed", "0"]
+    if quick:
+        args += ["--limit-test", "512"]
+    return Workload("shakespeare-gpt", f"character GPT on Shakespeare, {workers} workers in groups of {group}, "
+                                       f"{steps} AdamW steps of batch {batch}{' (quick)' if quick else ''}, lr 3e-3",
+                    args, steps, metric="perplexity", method_args={"ab": ab_schedule(steps)})
+
+
+def tiny(quick: bool = False) -> Workload:
+    """An MLP on generated data, 2 workers that are each their own group: a smoke test in seconds."""
+    steps = 8
+    args = ["--model", "mlp", "--dataset", "synthetic", "--workers", "2", "--group-size", "1", "--steps", str(steps),
+            "--batch-size", "16", "--limit-test", "128", "--eval-every", "4", "--log-every", "4", "--seed", "0"]
+    return Workload("tiny", "MLP on synthetic data, 2 workers (groups of 1), 8 steps: a smoke test", args, steps,
+                    method_args={"ab": ["--ab-warmup-steps", "2", "--ab-cycle-steps", "3", "--ab-rebound-steps", "1",
+                                        "--ab-lr-rebound-steps", "0"],
+                                 "localsgd": ["--localsgd-h", "2"], "diloco": ["--diloco-h", "2"],
+                                 "powersgd": ["--powersgd-start-iter", "2"]})
+
+
+WORKLOADS: dict[str, Callable[[bool], Workload]] = {
+    "fashion-cnn": fashion_cnn,
+    "fashion-resnet": fashion_resnet,
+    "shakespeare-gpt": shakespeare_gpt,
+    "tiny": tiny,
+}
+
+
+def get_workload(name: str, quick: bool = False) -> Workload:
+    """The workload registered under ``name`` (its ``--quick`` variant when ``quick``)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](quick)

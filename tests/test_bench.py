@@ -1,0 +1,259 @@
+"""``abtrain bench``: end to end on a tiny workload, the network namespaces, the projection's arithmetic."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from abtrain.bench import BenchConfig, NetworkModel, parse_method_args, run_bench
+from abtrain.bench import netns
+from abtrain.bench.projection import collective_seconds, comm_seconds_per_step, epoch_seconds, group_size_of
+from abtrain.bench.report import pareto_front, time_to_reach
+from abtrain.bench.workloads import ab_schedule, get_workload
+from abtrain.cli import build_parser, main
+
+ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _env():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        env.pop(var, None)
+    return env
+
+
+# -- end to end ------------------------------------------------------------------
+
+def test_bench_end_to_end_with_a_failing_method(tmp_path):
+    out = tmp_path / "bench"
+    p = subprocess.run(ABTRAIN + ["bench", "--workload", "tiny", "--methods", "ddp,ab,localsgd,diloco",
+                                  "--method-args", "diloco:--diloco-h 0", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, env=_env())
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # 1: a method failed, the report is still written
+    assert "[bench 1/4] ddp" in p.stdout and "  ab | " in p.stdout  # progress, and the runs' own lines
+    report = json.loads((out / "report.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    assert [r["method"] for r in report["methods"]] == ["ddp", "ab", "localsgd", "diloco"]
+    assert {m: r["status"] for m, r in rows.items()} == {"ddp": "complete", "ab": "complete", "localsgd": "complete",
+                                                           "diloco": "failed"}
+    assert "diloco-h" in rows["diloco"]["error"]
+    for m in ("ddp", "ab", "localsgd"):
+        r = rows[m]
+        assert 0 <= r["test_accuracy"] <= 1 and r["steps"] == 8 and r["world_size"] == 2
+        assert r["global_wire_bytes"] > 0 and r["peak_rss_bytes"] > 0 and r["wall_seconds"] > 0
+        assert (out / "runs" / m / "results.json").exists()
+    assert rows["ddp"]["global_reduction_vs_ddp"] == pytest.approx(1.0)
+    assert rows["localsgd"]["global_reduction_vs_ddp"] > 1  # averages every 2 steps instead of every step
+    assert rows["ddp"]["time_to_ddp_metric"] is not None
+    assert rows["ab"]["compression_ratio"] is not None and "sync" in rows["ab"]["by_phase"]
+    assert report["pareto_front"] and set(report["pareto_front"]) <= {"ddp", "ab", "localsgd"}
+    assert set(report["projection"]["epoch_seconds"]) == {"ddp", "ab", "localsgd"}
+    assert report["projection"]["workers"] == [8, 16, 32, 64, 128, 256]
+    md = (out / "report.md").read_text()
+    assert "| diloco | **failed** |" in md and "diloco failed" in md and "a model, not a measurement" in md
+    for png in ("accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_phase.png"):
+        assert (out / png).read_bytes().startswith(PNG)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--methods", "ddp,gossip"], "unknown method 'gossip'"),
+    (["--method-args", "ab:--ab-rank 2"], "not in --methods"),
+    (["--method-args", "--ab-rank 2"], "METHOD:FLAGS"),
+    (["--net", "rate=fast"], "rate=fast"),
+    (["--net", "bandwidth=1mbit"], "rate=RATE,delay=DELAY"),
+    (["--inter-bw", "0"], "--inter-bw must be positive"),
+    (["--extra", "--steps 'x"], "cannot split flags"),
+])
+def test_bad_bench_input_one_line(tmp_path, capsys, args, message):
+    code = main(["bench", "--workload", "tiny", "--methods", "ddp", "--out", str(tmp_path / "b"), *args])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("abtrain: error:") and message in lines[0], lines
+    assert not (tmp_path / "b").exists()
+
+
+def test_existing_report_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "report.json").write_text("{}")
+    assert main(["bench", "--workload", "tiny", "--out", str(tmp_path / "b")]) == 2
+    assert "already holds a bench report" in capsys.readouterr().err
+
+
+BENCH_FLAGS = {"--workload", "--methods", "--quick", "--out", "--extra", "--method-args", "--net", "--intra-bw",
+               "--inter-bw", "--intra-latency", "--inter-latency", "--node-size"}
+
+
+def test_bench_flag_surface_is_frozen():
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    flags = {s for a in bench._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+    assert flags == BENCH_FLAGS
+    assert all(a.help for a in bench._actions)
+
+
+def test_workloads_share_flags_and_scale_ab_schedule():
+    w = get_workload("fashion-cnn")
+    assert w.steps == 3 * (60000 // 4 // 64)
+    args = w.args_for("ab")
+    assert args[args.index("--group-size") + 1] == "2" and "--ab-warmup-steps" in args
+    assert ab_schedule(702) == ["--ab-warmup-steps", "197", "--ab-cycle-steps", "147", "--ab-rebound-steps", "11",
+                                "--ab-lr-rebound-steps", "49"]
+    quick = get_workload("fashion-cnn", quick=True)
+    assert "--limit-train" in quick.train_args and quick.steps < w.steps
+    assert get_workload("shakespeare-gpt").metric == "perplexity"
+    assert parse_method_args(["ab:--ab-rank 2", "ab: --ab-sync full", "ddp:"]) == {
+        "ab": "--ab-rank 2 --ab-sync full", "ddp": ""}
+    with pytest.raises(ValueError, match="unknown workload"):
+        get_workload("imagenet")
+
+
+# -- report arithmetic ---------------------------------------------------------------
+
+def test_pareto_front_and_time_to_reach():
+    points = {"ddp": (0.90, 100.0), "ab": (0.89, 10.0), "localsgd": (0.88, 20.0), "none": (0.70, 0.0)}
+    assert pareto_front(points, "accuracy") == {"ddp", "ab", "none"}
+    assert pareto_front({"a": (5.0, 10.0), "b": (4.0, 20.0), "c": (6.0, 10.0)}, "perplexity") == {"a", "b"}
+    history = [{"test_accuracy": 0.5, "wall_seconds": 1.0}, {"test_accuracy": 0.91, "wall_seconds": 2.0}]
+    assert time_to_reach(history, 0.9, "accuracy") == 2.0
+    assert time_to_reach(history, 0.95, "accuracy") is None
+    assert time_to_reach([{"test_perplexity": 8.0, "wall_seconds": 3.0}], 8.5, "perplexity") == 3.0
+
+
+def test_projection_on_hand_computed_numbers():
+    # Ring all-reduce of 1 MB over 4 workers: 2(p-1) alpha + 2(p-1)/p n/beta = 6 us + 1.5 ms.
+    assert collective_seconds("all_reduce", 1e6, 4, bandwidth=1e9, latency=1e-6) == pytest.approx(6e-6 + 1.5e-3)
+    assert collective_seconds("all_gather", 1e6, 4, bandwidth=1e9, latency=0.0) == pytest.approx(3e-3)
+    assert collective_seconds("broadcast", 1e6, 1, bandwidth=1e9, latency=1.0) == 0.0
+    assert group_size_of("all_reduce", 4e6, 6e6) == 4 and group_size_of("broadcast", 8.0, 7.0) == 8
+    assert group_size_of("all_gather", 1.0, 3.0) == 4
+    # A run of 4 workers in groups of 2: per step one global all-reduce of 400 kB over all 4 and one
+    # group all-reduce of 100 kB over 2; the one-off setup broadcast is left out.
+    results = {"steps": 10, "world_size": 4, "steps_per_epoch": 100, "comm": {"rows": [
+        {"op": "all_reduce", "scope": "global", "phase": "train", "calls": 10, "payload_bytes": 4e6,
+         "wire_bytes": 6e6},
+        {"op": "all_reduce", "scope": "group", "phase": "ab", "calls": 10, "payload_bytes": 1e6,
+         "wire_bytes": 1e6},
+        {"op": "broadcast", "scope": "global", "phase": "setup", "calls": 1, "payload_bytes": 1e9,
+         "wire_bytes": 7.5e8}]}}
+    model = NetworkModel(intra_bw=1e10, inter_bw=1e9, intra_latency=1e-6, inter_latency=1e-5, node_size=4)
+    # 8 workers: global over 8 (2*7 alpha + 2*7/8 * 4e5 / 1e9), group over one node of 4 (6 alpha + 1.5e5 / 1e10).
+    global_s = 14 * 1e-5 + 1.75 * 4e5 / 1e9
+    group_s = 6 * 1e-6 + 1.5 * 1e5 / 1e10
+    assert comm_seconds_per_step(results, 8, model) == pytest.approx(global_s + group_s)
+    # An epoch of the run's samples at 8 workers: 100 * 4 / 8 = 50 steps of (10 ms compute + communication).
+    assert epoch_seconds(results, 8, model, 0.01) == pytest.approx(50 * (0.01 + global_s + group_s))
+
+
+# -- network namespaces ------------------------------------------------------------
+
+def _netns_usable() -> str | None:
+    try:
+        netns.check_available()
+    except ValueError as exc:
+        return str(exc)
+    probe = subprocess.run(["ip", "netns", "add", f"{netns.PREFIX}{os.getpid()}-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", f"{netns.PREFIX}{os.getpid()}-probe"], capture_output=True)
+    return None
+
+
+needs_netns = pytest.mark.skipif(_netns_usable() is not None, reason=str(_netns_usable()))
+
+
+def _ours(name: str) -> tuple[list[str], str]:
+    namespaces = [ns for ns in netns.our_namespaces() if ns.startswith(name)]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return namespaces, links
+
+
+def _root_links_clean(links: str) -> bool:
+    names = {line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ":" in line}
+    return not any(n == netns.IFNAME or n == "br0" or (n.startswith("w") and n[1:].isdigit()) for n in names)
+
+
+@needs_netns
+def test_network_setup_and_teardown_leave_nothing():
+    links_before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    net = netns.Network(3, netns.NetSpec.parse("rate=50mbit"))
+    with net:
+        namespaces, _ = _ours(net.name)
+        assert sorted(namespaces) == sorted([net.bridge_ns] + [net.namespace(k) for k in range(3)])
+        qdiscs = subprocess.run(["tc", "-n", net.namespace(1), "qdisc", "show", "dev", netns.IFNAME],
+                                capture_output=True, text=True).stdout
+        assert "tbf" in qdiscs and "50Mbit" in qdiscs
+        bridge_side = subprocess.run(["tc", "-n", net.bridge_ns, "qdisc", "show", "dev", "w2"],
+                                     capture_output=True, text=True).stdout
+        assert "tbf" in bridge_side
+        assert net.counters()[0]["tx_bytes"] >= 0
+    namespaces, links_after = _ours(net.name)
+    assert namespaces == [] and links_after.count("\n") == links_before.count("\n") and _root_links_clean(links_after)
+
+
+@needs_netns
+@pytest.mark.parametrize("fail_at,error", [(10, netns.NetworkError), (16, KeyboardInterrupt)])
+def test_teardown_after_failure_mid_setup(monkeypatch, fail_at, error):
+    real_run = netns._run
+    calls = []
+
+    def failing(cmd):
+        calls.append(cmd)
+        if len(calls) == fail_at:  # the first worker's tc qdisc; the second worker's veth pair
+            raise error("simulated failure") if error is netns.NetworkError else error()
+        return real_run(cmd)
+
+    monkeypatch.setattr(netns, "_run", failing)
+    net = netns.Network(3, netns.NetSpec.parse("rate=10mbit"))
+    with pytest.raises(error):
+        net.setup()
+    assert ["ip", "netns", "add", net.namespace(0)] in calls[:fail_at]  # it failed with namespaces made
+    namespaces, links = _ours(net.name)
+    assert namespaces == [] and _root_links_clean(links)
+
+
+@needs_netns
+def test_stale_namespaces_of_a_dead_bench_are_removed():
+    dead_pid = 2 ** 31 - 2  # above any pid_max: no such process
+    name = f"{netns.PREFIX}{dead_pid}-abcdef-w0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in netns.cleanup_stale()
+        assert name not in netns.our_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+@needs_netns
+def test_bench_through_a_shaped_network_measures_the_counted_bytes(tmp_path, capsys):
+    report = run_bench(BenchConfig(workload="tiny", methods=["ddp"], net="rate=200mbit", out=str(tmp_path / "net")))
+    row = report["methods"][0]
+    assert row["status"] == "complete", row["error"]
+    m = row["measured"]
+    print(f"\nddp through 2 namespaces at 200mbit: counted {m['counted_wire_bytes']:.0f} B/worker, measured tx "
+          f"{m['tx_bytes_mean']:.0f} B/worker, ratio {m['ratio']:.3f}", file=sys.stderr)
+    # Measured includes TCP/IP headers, acknowledgements and the rendezvous: a few percent above the ledger.
+    assert 0.9 <= m["ratio"] <= 1.2
+    assert "## Measured on the wire" in (tmp_path / "net" / "report.md").read_text()
+    namespaces, links = _ours(netns.PREFIX + f"{os.getpid()}-")
+    assert namespaces == [] and _root_links_clean(links)
+
+
+def test_net_without_root_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(ValueError, match="--net needs root"):
+        netns.check_available()
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
+    with pytest.raises(ValueError, match="needs iproute2"):
+        netns.check_available()
+
+
+def test_net_spec_parsing():
+    spec = netns.NetSpec.parse("rate=100mbit,delay=2ms")
+    assert spec.rate_bytes_per_s == pytest.approx(12.5e6) and spec.delay_seconds == pytest.approx(2e-3)
+    assert netns.NetSpec.parse("rate=1gbps").rate_bytes_per_s == 1e9
+    for bad in ("rate=100", "delay=2", "rate=-1mbit", "", "rate=1mbit,jitter=1ms"):
+        with pytest.raises(ValueError):
+            netns.NetSpec.parse(bad)
