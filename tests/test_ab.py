@@ -35,7 +35,7 @@ def _snapshot(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
-def _train(options, group_size=2, optimizer="sgd", steps=STEPS):
+def _train(options, group_size=2, optimizer="sgd", steps=STEPS, plan=False):
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=group_size)
     comm = Communicator()
     torch.manual_seed(0)
@@ -43,7 +43,9 @@ def _train(options, group_size=2, optimizer="sgd", steps=STEPS):
     cfg = ABConfig(**{"warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0, **options})
     method = ABTraining(comm, topo, cfg)
     model = method.prepare(model)
-    group = method.topo.group  # only-b makes one group of all workers
+    if plan:
+        method.plan(steps)
+    group = method.train_group  # only-b trains B over all workers
     out_group_ranks = dist.get_process_group_ranks(group.pg) if group.pg is not None else [topo.rank]
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -165,12 +167,14 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     assert by_phase["ab"]["payload_bytes"] == expected_ab
     assert by_phase["ab"]["wire_bytes"] == pytest.approx(ring(expected_ab, g))
     assert o["summary"]["by_scope"]["group"]["payload_bytes"] == expected_ab
-    # sync: r(m+n) per factorised layer + everything kept full rank + float buffers, over all workers
+    # sync: r(m+n) per factorised layer + everything kept full rank (and its optimizer moments)
+    # + float buffers, over all workers
     expected_sync = 0
     for sync in o["syncs"]:
         factors = sum(a.numel() + b.numel() for a, b in sync["before"].values())
         rest = sum(v.numel() for k, v in sync["before_full"].items())
-        expected_sync += 4 * (factors + rest + o["float_buffers"])
+        # full-rank parameters travel with their SGD momentum (trained apart during the AB phase)
+        expected_sync += 4 * (factors + 2 * rest + o["float_buffers"])
     rank_agreements = len([r for r in o["ranks_log"] if r["step"] != T_W])
     expected_sync += 8 * len(o["records"]) * rank_agreements  # all-reduce(MAX) of int64 ranks
     assert by_phase["sync"]["payload_bytes"] == expected_sync
@@ -230,3 +234,17 @@ def test_only_b_trains_b_with_dp_everywhere():
 def test_single_group_is_refused():
     with pytest.raises(ValueError, match="at least 2 groups"):
         ABTraining(Communicator(), Topology(rank=0, world_size=2, local_world_size=2), ABConfig())
+
+
+def test_final_rebound_ends_full_rank_inside_the_budget():
+    steps = 17  # AB from step 11 to 13, then the last 3 steps full-rank DP after a sync at step 14
+    outs = run_world(_train, 4, {"rank_fraction": 0.25, "final_rebound_steps": 3}, 2, "sgd", steps, True)
+    for o in outs:
+        assert [s["step"] for s in o["syncs"]] == [T_W + K, steps - 3]  # no extra sync when leaving attach
+        assert [s["phase"] for s in o["steps"][-3:]] == ["rebound"] * 3
+        assert all(mode == "full" for mode in o["steps"][-1]["modes"].values())
+    # one model everywhere (BatchNorm statistics are averaged by sync_buffers() before evaluation)
+    for k, v in outs[0]["steps"][-1]["after"].items():
+        if "running" not in k:
+            for o in outs[1:]:
+                assert torch.equal(o["steps"][-1]["after"][k], v), k

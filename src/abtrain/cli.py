@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -63,8 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a model with a communication method on local workers or in a torchrun/srun world",
         description="Train a model with a communication method. Without an external launcher, starts --workers "
                     "local workers through torch's elastic launcher; under torchrun or srun, joins that world. "
-                    "Writes RUN_DIR/results.json, metrics.csv and status.json.")
+                    "Writes RUN_DIR/results.json, metrics.csv, status.json, model.pt and checkpoints "
+                    "(RUN_DIR/checkpoint); --resume RUN_DIR continues a run that stopped or crashed.")
     train.add_argument("--config", metavar="FILE", help="TOML file with the same keys as these flags; flags override it")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its last checkpoint, with its saved configuration; "
+                            "only " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OPTIONS) + " may be given")
     _add_config_flags(train, config_fields(), TrainConfig())
     ab = train.add_argument_group("AB-training (--method ab)", "the options of ALGORITHM.md; K, F, T_w and R in optimizer steps")
     _add_config_flags(ab, ab_fields(), ABConfig(), prefix="ab-")
@@ -76,7 +82,54 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "with error feedback and warm start")):
         group = train.add_argument_group(title, description)
         _add_config_flags(group, section_fields(section), SECTIONS[section](), prefix=section + "-")
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: Any) -> None:
+    from .bench.workloads import DEFAULT_METHODS, WORKLOADS
+    bench = sub.add_parser(
+        "bench", help="run several methods on one workload, side by side, and write a report",
+        description="Run methods one after another on a named workload with the same data order, seed, workers, "
+                    "groups and step budget, each as its own 'abtrain train' run under OUT/runs/METHOD. Writes "
+                    "OUT/report.md, report.json and PNG plots. Exit code 1 when a method failed (the report "
+                    "still shows the others).")
+    bench.add_argument("--workload", default="fashion-cnn", choices=list(WORKLOADS),
+                       help="named workload (default: fashion-cnn)")
+    bench.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                       help=f"comma-separated methods to run, in order (default: {','.join(DEFAULT_METHODS)})")
+    bench.add_argument("--quick", action="store_true",
+                       help="the workload's quick variant: fewer samples and steps, minutes for all methods")
+    bench.add_argument("--out", metavar="DIR", help="output directory (default: runs/bench-<workload>-<time>)")
+    bench.add_argument("--extra", default="", metavar="FLAGS",
+                       help="'abtrain train' flags added to every run, e.g. --extra \"--batch-size 32\" "
+                            "(one flag alone needs '=': --extra=--no-ledger)")
+    bench.add_argument("--method-args", action="append", default=[], metavar="METHOD:FLAGS",
+                       help="flags added to one method's run, e.g. 'ab:--ab-rank-fraction 0.1' (repeatable)")
+    bench.add_argument("--net", metavar="SPEC",
+                       help="run the workers through a real shaped network (Linux, root): each worker in its own "
+                            "network namespace, e.g. rate=100mbit,delay=2ms; reports measured interface bytes")
+    model = bench.add_argument_group("projection", "the alpha-beta network model of the report's projection "
+                                                   "to 8-256 workers (a model, not a measurement)")
+    model.add_argument("--intra-bw", type=float, default=100.0, metavar="GB/S",
+                       help="bandwidth per worker inside a node, GB/s (default: 100)")
+    model.add_argument("--inter-bw", type=float, default=12.5, metavar="GB/S",
+                       help="bandwidth per worker between nodes, GB/s (default: 12.5)")
+    model.add_argument("--intra-latency", type=float, default=1.0, metavar="US",
+                       help="latency of one message inside a node, microseconds (default: 1)")
+    model.add_argument("--inter-latency", type=float, default=5.0, metavar="US",
+                       help="latency of one message between nodes, microseconds (default: 5)")
+    model.add_argument("--node-size", type=int, default=4, metavar="N", help="workers per node (default: 4)")
+
+
+def bench_config_from_args(ns: argparse.Namespace) -> Any:
+    from .bench import BenchConfig, NetworkModel, parse_method_args
+    model = NetworkModel(intra_bw=ns.intra_bw * 1e9, inter_bw=ns.inter_bw * 1e9,
+                         intra_latency=ns.intra_latency * 1e-6, inter_latency=ns.inter_latency * 1e-6,
+                         node_size=ns.node_size)
+    return BenchConfig(workload=ns.workload, methods=[m.strip() for m in ns.methods.split(",") if m.strip()],
+                       quick=ns.quick, out=ns.out, extra=ns.extra, method_args=parse_method_args(ns.method_args),
+                       net=ns.net, network_model=model)
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -100,14 +153,57 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+#: Options that may differ when a run is continued: they change how it runs, not what it computes.
+RESUME_OPTIONS = ("max_restarts", "stop_after", "checkpoint_every", "timeout", "log_every", "threads")
+
+
+def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
+    """The configuration saved in ``ns.resume``'s run directory, plus the few options a resume may change."""
+    run_dir = ns.resume
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"--resume {run_dir}: no such run directory")
+    if getattr(ns, "config", None):
+        raise ValueError("--resume takes the configuration saved in the run directory; drop --config")
+    given = sorted(k for k in vars(ns) if k not in ("command", "config", "resume"))
+    refused = [k for k in given if k not in RESUME_OPTIONS]
+    if refused:
+        raise ValueError(f"--resume continues the run with its saved configuration; "
+                         f"{', '.join('--' + k.replace('_', '-') for k in refused)} would change it "
+                         f"(allowed: {', '.join('--' + k.replace('_', '-') for k in RESUME_OPTIONS)})")
+    try:
+        with open(path) as fh:
+            saved = json.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"{run_dir} has no config.json: not a run directory of 'abtrain train'") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} does not hold a configuration")
+    saved["stop_after"] = None  # a stop belongs to the invocation that asked for it
+    saved.update({k: getattr(ns, k) for k in given})
+    try:
+        return TrainConfig.from_dict(saved)
+    except TypeError as exc:
+        raise ValueError(f"{path} does not hold a valid configuration: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "train":
             from .launch import train
+            if getattr(ns, "resume", None):
+                return train(config_for_resume(ns), resume_dir=ns.resume)
             cfg = config_from_args(ns)
             return train(cfg)
+        if ns.command == "bench":
+            from .bench import run_bench
+            report = run_bench(bench_config_from_args(ns))
+            if report["interrupted"]:
+                return 130
+            return 0 if all(r["status"] == "complete" for r in report["methods"]) else 1
     except (ValueError, RuntimeError) as exc:
         print(f"abtrain: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1

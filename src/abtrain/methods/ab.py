@@ -27,6 +27,7 @@ from .. import lowrank
 from ..comm import Communicator, Group
 from ..topology import Topology
 from .base import Method
+from ..validate import check_types
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class ABConfig:
     truncate_first: bool = _opt(False, "truncate already at the first decomposition (the spec keeps full rank there)")
     sync: str = _opt("with-stale", "sync mode", choices=SYNC_MODES)
     independent: bool = _opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
-    lr_rebound_steps: int = _opt(50, "steps over which the learning rate ramps back from the floor at each phase switch (R; 0 disables)")
+    final_rebound_steps: int = _opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget (needs the budget: abtrain train passes it; in your own loop call method.plan(total_steps))")
+    lr_rebound_steps: int = _opt(10, "steps over which the learning rate ramps back from the floor at each phase switch (R; 0 disables)")
     lr_floor: float = _opt(1e-5, "learning rate right after a phase switch")
     split: str = _opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
     optimizer_state: str = _opt("keep", "keep (resized) or reset the optimizer state of factors at each decomposition", choices=STATE_POLICIES)
@@ -64,7 +66,8 @@ class ABConfig:
     full_rank: str = _opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps"):
+        check_types(self, "--ab-")
+        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {getattr(self, name)!r}")
         if not isinstance(self.cycle_steps, int) or self.cycle_steps < 1:
@@ -117,17 +120,17 @@ class ABTraining(Method):
     def __init__(self, comm: Communicator, topo: Topology, config: ABConfig | None = None, **options: Any) -> None:
         super().__init__(comm, topo)
         self.cfg = config if config is not None else ABConfig(**options)
-        if self.cfg.sync == "only-b":
-            # One group of all workers: DP on B every step.
-            self.topo = topo = Topology(topo.rank, topo.world_size, topo.local_rank, topo.local_world_size,
-                                        topo.world_size, topo.device, topo.backend)
         check_topology(self.cfg, topo.world_size, topo.group_size)
+        # only-b: one group of all workers, DP on B every step. The ledger's scopes still
+        # follow the physical groups (topo.world crosses them), only the reduction widens.
+        self.train_group = topo.world if self.cfg.sync == "only-b" else topo.group
         self.rule = self.cfg.rank_rule()
         num_a_groups = max(1, topo.num_groups // 2)
         self.role = "B" if self.cfg.sync == "only-b" else ("A" if topo.group_index < num_a_groups else "B")
         self.a_ranks = list(range(num_a_groups * topo.group_size))
         self.records: list[lowrank.FactorizedParam] = []
         self.t = 0  # optimizer steps taken
+        self.total_steps: int | None = None
         self._switch_step = 0  # step of the last phase switch, for the LR rebound
         self._reduced = False
         self._saved_lrs: list[float] = []
@@ -142,6 +145,8 @@ class ABTraining(Method):
         c = self.cfg
         if t < c.warmup_steps:
             return "warmup"
+        if self.total_steps is not None and c.final_rebound_steps and t >= self.total_steps - c.final_rebound_steps:
+            return "rebound"
         u = t - c.warmup_steps
         if u < c.cycle_steps:
             return "ab"
@@ -150,6 +155,9 @@ class ABTraining(Method):
     @property
     def phase(self) -> str:
         return self.phase_at(self.t)
+
+    def plan(self, total_steps: int) -> None:
+        self.total_steps = total_steps
 
     # -- preparation -------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -170,7 +178,7 @@ class ABTraining(Method):
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if self.phase == "ab":
             if not self.cfg.independent:
-                self.comm.all_reduce_tensors(grads, self.topo.group, average=True)
+                self.comm.all_reduce_tensors(grads, self.train_group, average=True)
         else:
             self.comm.all_reduce_tensors(grads, self.topo.world, average=True)
 
@@ -254,43 +262,50 @@ class ABTraining(Method):
         with torch.profiler.record_function("abtrain::ab::sync"), self.comm.ledger.in_phase("sync"):
             buffers = [b for b in self.module.buffers() if b.is_floating_point()]
             full = self._full_rank_tensors()
+            if self.cfg.optimizer_state == "reset":
+                lowrank.reset_state(optimizer, full + [fp.weight for fp in low])
+            # Parameters trained during the AB phase on every worker (full-rank ones)
+            # carry group-specific optimizer moments: average them too, so that the
+            # rebound that follows is exact data parallelism with one model everywhere.
+            rest = full + buffers + _moments(optimizer, full)
             mode = self.cfg.sync
             if mode == "with-stale":
-                self.comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + full + buffers, world)
+                self.comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world)
             elif mode == "only-learned":
-                self._average_learned(low, full + buffers, world)
+                self._average_learned(low, rest, world)
             elif mode == "full":
                 for fp in low:
                     lowrank.recompose(fp)
-                self.comm.all_reduce_tensors([fp.weight for fp in low] + full + buffers, world)
-            else:  # only-b: A and B are identical everywhere (A frozen, B trained with DP over all workers)
+                self.comm.all_reduce_tensors([fp.weight for fp in low] + rest, world)
+            else:  # only-b: one group of everyone, nothing drifts apart but BatchNorm statistics
                 self.comm.all_reduce_tensors(buffers, world)
             for fp in low:
                 if fp.mode == "lowrank":
                     lowrank.recompose(fp)
-            if self.cfg.optimizer_state == "reset":
-                lowrank.reset_state(optimizer, [fp.weight for fp in low])
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
 
     def _average_learned(self, low: list[lowrank.FactorizedParam], rest: list[torch.Tensor], world: Group) -> None:
-        """only-learned: mean of A over the A-groups, mean of B over the B-groups, rest over everyone.
+        """only-learned: mean of A over the A-groups, mean of B over the B-groups, the rest over everyone.
 
-        Each worker contributes its trained factor and zeros for the frozen one;
-        one summed all-reduce then carries both means (same bytes as with-stale).
+        One summed all-reduce (the bytes of with-stale): each worker contributes its
+        trained factor divided by the number of workers that trained it, zeros for
+        its frozen factor, and the rest divided by the world size.
         """
         n_a = len(self.a_ranks)
         n_b = self.topo.world_size - n_a
         in_a = self.topo.rank in self.a_ranks
         contrib = []
         for fp in low:
-            contrib.append(fp.A.detach().clone() if in_a else torch.zeros_like(fp.A))
-            contrib.append(fp.B.detach().clone() if not in_a else torch.zeros_like(fp.B))
+            contrib.append(fp.A / n_a if in_a else torch.zeros_like(fp.A))
+            contrib.append(fp.B / n_b if not in_a else torch.zeros_like(fp.B))
+        contrib += [t / self.topo.world_size for t in rest]
         self.comm.all_reduce_tensors(contrib, world, average=False)
-        for i, fp in enumerate(low):
-            fp.A.copy_(contrib[2 * i] / n_a)
-            fp.B.copy_(contrib[2 * i + 1] / n_b)
-        self.comm.all_reduce_tensors(rest, world, average=True)
+        for fp, a, b in zip(low, contrib[0::2], contrib[1::2]):
+            fp.A.copy_(a)
+            fp.B.copy_(b)
+        for t, mean in zip(rest, contrib[2 * len(low):]):
+            t.copy_(mean)
 
     def in_consensus(self) -> bool:
         # Workers differ only while groups train apart: inside an AB phase after its first step.
@@ -324,14 +339,32 @@ class ABTraining(Method):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks,
+        """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
+        return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds, "ratio": self.ratio}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
+        if state.get("role", self.role) != self.role:
+            raise ValueError(f"checkpoint was written by a worker of role {state['role']}, this worker trains "
+                             f"{self.role}: the group layout differs (--group-size, number of workers)")
         self.t = state["t"]
         self._switch_step = state["switch_step"]
         self.ranks = state["ranks"]
         self.svd_seconds = state["svd_seconds"]
         self.sync_seconds = state["sync_seconds"]
         self.ratio = state["ratio"]
+        # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
+        for fp in self.records:
+            lowrank.set_mode([fp], fp.mode)
+        lowrank.set_trainable(self.records, "B" if self.cfg.sync == "only-b" else self.role)
 
+
+def _moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The optimizer's per-element state of ``params`` (momentum, Adam moments), not scalars like ``step``."""
+    out = []
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
+                out.append(value)
+    return out

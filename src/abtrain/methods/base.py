@@ -78,6 +78,9 @@ class Method:
         bufs = [b for b in self.module.buffers() if b.is_floating_point()]
         self.comm.all_reduce_tensors(bufs, self.topo.world, average=True)
 
+    def plan(self, total_steps: int) -> None:
+        """Tell the method the step budget (methods whose schedule depends on it use this)."""
+
     def in_consensus(self) -> bool:
         """True when every worker holds the same model (evaluation waits for this)."""
         return True
