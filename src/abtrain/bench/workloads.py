@@ -41,11 +41,11 @@ class Workload:
         return [*self.train_args, "--method", method, *self.method_args.get(method, [])]
 
 
-def ab_schedule(steps: int, warmup: float = 0.28, cycle: float = 0.21, rebound: float = 0.015,
-                lr_rebound: float = 0.07) -> list[str]:
+def ab_schedule(steps: int, warmup: float = 0.285, cycle: float = 0.214, rebound: float = 0.014,
+                lr_rebound: float = 0.014) -> list[str]:
     """AB-training's schedule as fractions of the step budget.
 
-    The defaults are abtrain's own (T_w 200, K 150, F 10, R 50) relative to
+    The defaults are abtrain's own (T_w 200, K 150, F 10, R 10) relative to
     the 702 steps of the default job, so a shorter budget gets the same shape:
     warm-up, then about four cycles.
     """
