@@ -98,8 +98,9 @@ def test_workloads_share_flags_and_scale_ab_schedule():
     assert w.steps == 3 * (60000 // 4 // 64)
     args = w.args_for("ab")
     assert args[args.index("--group-size") + 1] == "2" and "--ab-warmup-steps" in args
-    assert ab_schedule(702) == ["--ab-warmup-steps", "197", "--ab-cycle-steps", "147", "--ab-rebound-steps", "11",
-                                "--ab-lr-rebound-steps", "49"]
+    # the default job's budget gets abtrain's own defaults back
+    assert ab_schedule(702) == ["--ab-warmup-steps", "200", "--ab-cycle-steps", "150", "--ab-rebound-steps", "10",
+                                "--ab-lr-rebound-steps", "10"]
     quick = get_workload("fashion-cnn", quick=True)
     assert "--limit-train" in quick.train_args and quick.steps < w.steps
     assert get_workload("shakespeare-gpt").metric == "perplexity"
