@@ -493,6 +493,16 @@ def _fail(run_dir: str, error: str, retry: bool) -> None:
         write_status(run_dir, "failed", error=error, retry=retry, attempt=restart_count())
 
 
+def _show_decisions() -> None:
+    """Rank 0 prints abtrain's INFO lines (AB-training's per-layer decisions at each decomposition)."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("abtrain: %(message)s"))
+    logger = logging.getLogger("abtrain")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
 def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, report: bool = False) -> None:
     """Entry point of one worker process (local launcher, torchrun or srun).
 
@@ -512,6 +522,8 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
             raise SystemExit(2)  # the same input fails the same way again: do not redo the work
     topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=cfg.group_size,
                              timeout_s=cfg.timeout)
+    if topo.rank == 0:
+        _show_decisions()
     try:
         resume = resume or (restarts > 0 and ckpt.read_manifest(run_dir) is not None)
         trainer = Trainer(cfg, topo, run_dir, resume=resume)
