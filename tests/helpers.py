@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import os
 import socket
@@ -27,6 +28,8 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: st
     torch.set_num_threads(1)
     result = fn(*args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    del result
+    gc.collect()  # free what holds a process group while the interpreter is alive (see Topology.close)
 
 
 def run_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:

@@ -50,13 +50,21 @@ def test_workers_identical_and_bytes_exact(fashion_dir, world):
     assert s["by_phase"]["train"]["wire_bytes"] == pytest.approx(2 * (world - 1) / world * 4 * P * steps)
     # Start: rank 0's parameters and buffers broadcast once.
     assert s["by_phase"]["setup"]["payload_bytes"] == 4 * (P + o["float_buffers"]) + o["other_buffers_bytes"]
-    # Each evaluation: BatchNorm statistics averaged, 5 float64 totals; at the end one peak-RSS max.
-    assert s["by_phase"]["eval"]["payload_bytes"] == o["evals"] * (4 * o["float_buffers"] + 5 * 8) + 8
+    # Each evaluation: BatchNorm statistics averaged, 7 float64 totals (metrics and bytes so far);
+    # at the end one peak-RSS max, then the results' averaging: an all-gather of 3 totals, a key
+    # check (2 int64) and the sums of 5 figures per ledger row (recorded after the snapshot it averages).
+    r = o["results"]
+    evals = o["evals"] * (4 * o["float_buffers"] + 7 * 8) + 8
+    assert r["comm"]["by_phase"]["eval"]["payload_bytes"] == evals
+    rows = len(r["comm"]["rows"])
+    assert s["by_phase"]["eval"]["payload_bytes"] == evals + 3 * 8 + 2 * 8 + 5 * 8 * rows
     assert s["payload_bytes"] == sum(v["payload_bytes"] for v in s["by_phase"].values())
+    assert r["comm"]["averaged_over_workers"] and len(r["comm"]["per_worker"]) == world
+    assert all(w["wire_bytes"] == pytest.approx(r["comm"]["wire_bytes"]) for w in r["comm"]["per_worker"])
     scope = "global" if world == 4 else "group"  # 4 workers in groups of 2 cross groups; 2 in one group do not
     assert s["by_scope"][scope]["wire_bytes"] == pytest.approx(s["wire_bytes"])
-    r = o["results"]
-    assert r["comm"]["wire_bytes"] == pytest.approx(s["wire_bytes"])
+    for key in ("payload_bytes", "wire_bytes", "calls"):  # seconds are each worker's own
+        assert r["comm"]["by_phase"]["train"][key] == s["by_phase"]["train"][key]
     assert len(r["history"]) == o["evals"] == 2
     assert all(out["results"] is None for out in outs[1:])
 

@@ -25,6 +25,7 @@ skipped altogether, see "single-process is the same code").
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -314,3 +315,47 @@ class Communicator:
             for t in same_dtype:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    def mean_summary(self, group: Group) -> dict[str, Any]:
+        """The ledger summary averaged over ``group``'s workers, with each worker's totals.
+
+        Workers of different groups can send different amounts (AB-training's
+        A- and B-groups train factors of different sizes), so results report
+        the mean per worker. Two small collectives (a key check and the sums)
+        and one all-gather of the totals do it; they are recorded in the ledger
+        after the snapshot they average, so the figures exclude their own few
+        hundred bytes. Workers whose ledgers hold different keys (never in
+        abtrain's methods) fall back to this worker's own summary.
+        """
+        ledger = self.ledger
+        keys = sorted(ledger.rows)
+        stats = torch.tensor([[ledger.rows[k].payload_bytes, ledger.rows[k].wire_bytes, ledger.rows[k].calls,
+                               ledger.rows[k].seconds, ledger.rows[k].numel] for k in keys],
+                             dtype=torch.float64, device=self.device).reshape(-1, 5)
+        own = torch.tensor([stats[:, 0].sum(), stats[:, 1].sum(),
+                            sum(ledger.rows[k].wire_bytes for k in keys if k[2] == "global")],
+                           dtype=torch.float64, device=self.device)
+        per_worker = [t.tolist() for t in self.all_gather(own, group)]
+        digest = int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:7], "big")
+        check = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
+        self.all_reduce(check, group, op="max")
+        mean = Ledger(phase=ledger.phase)
+        if check.tolist() == [digest, -digest]:
+            self.all_reduce(stats, group, average=True)
+            for k, (payload, wire, calls, seconds, numel) in zip(keys, stats.tolist()):
+                mean.rows[k] = _Row(calls=_exact(calls), numel=_exact(numel), payload_bytes=_exact(payload),
+                                    wire_bytes=wire, seconds=seconds)
+            averaged = True
+        else:
+            mean.rows = dict(ledger.rows)
+            averaged = False
+        out = mean.summary()
+        out["averaged_over_workers"] = averaged
+        out["per_worker"] = [{"rank": r, "payload_bytes": _exact(p), "wire_bytes": w, "global_wire_bytes": g}
+                             for r, (p, w, g) in zip(group.ranks or range(group.size), per_worker)]
+        return out
+
+
+def _exact(x: float) -> int | float:
+    """An integral mean as an int (equal workers), a fractional one as it is."""
+    return int(x) if float(x).is_integer() else x

@@ -10,6 +10,7 @@ tells the ledger whether its traffic stays inside one group of workers
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -166,5 +167,14 @@ class Topology:
         return topo
 
     def close(self) -> None:
+        """Destroy the process groups, then free every object that still holds one.
+
+        A process group kept alive by a reference cycle (DDP and its hooks) is
+        otherwise destructed during interpreter shutdown, when gloo's worker
+        threads can no longer take the GIL: the process aborts ("terminate
+        called without an active exception") after a run that succeeded.
+        """
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        self._groups.clear()
+        gc.collect()

@@ -234,10 +234,12 @@ class Trainer:
                 loss_sum += F.cross_entropy(out, y, reduction="sum").item()
                 correct += (out.argmax(-1) == y).sum().item()
                 count += y.numel()
-            totals = torch.tensor([loss_sum, correct, count, self._train_loss_sum, self._train_loss_count],
+            # Bytes so far ride along: the history shows the mean over workers (groups may differ).
+            totals = torch.tensor([loss_sum, correct, count, self._train_loss_sum, self._train_loss_count,
+                                   self.ledger.wire_total, self.ledger.global_wire_total],
                                   dtype=torch.float64, device=self.topo.device)
             self.comm.all_reduce(totals, self.topo.world)
-        loss_sum, correct, count, tl_sum, tl_count = totals.tolist()
+        loss_sum, correct, count, tl_sum, tl_count, wire_sum, global_sum = totals.tolist()
         self._train_loss_sum, self._train_loss_count = 0.0, 0
         test_loss = loss_sum / max(1.0, count)
         row = {
@@ -247,8 +249,8 @@ class Trainer:
             "test_loss": test_loss,
             "test_perplexity": math.exp(min(test_loss, 50.0)) if self.dataset.task == "lm" else None,
             "train_loss": tl_sum / tl_count if tl_count else None,
-            "wire_bytes": self.ledger.wire_total,
-            "global_wire_bytes": self.ledger.global_wire_total,
+            "wire_bytes": wire_sum / self.topo.world_size,
+            "global_wire_bytes": global_sum / self.topo.world_size,
             "wall_seconds": self.wall,
             "lr": self.scheduler.get_last_lr()[0],
             "phase": self.method.phase,
@@ -427,6 +429,7 @@ class Trainer:
         with self.ledger.in_phase("eval"):
             rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=self.topo.device)
             self.comm.all_reduce(rss, self.topo.world, op="max")
+            comm = self.comm.mean_summary(self.topo.world)
         if tb is not None:
             tb.close()
         if not self.is_main:
@@ -448,7 +451,7 @@ class Trainer:
             "final": {k: last[k] for k in ("test_accuracy", "test_loss", "test_perplexity", "train_loss")},
             "wall_seconds": self.wall,
             "peak_rss_bytes": int(rss.item()),
-            "comm": self.ledger.summary(),
+            "comm": comm,
             **self.method.extra_results(),
             "history": self.history,
             "config": self.cfg.to_dict(),
@@ -530,6 +533,7 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
         if topo.rank == 0 and (resume or restarts):
             write_status(run_dir, "running", world_size=topo.world_size, restarts=restarts, resumed_from=trainer.step)
         trainer.run()
+        trainer.comm.barrier(topo.world)  # leave together: no worker tears down while a peer still talks
     except (ValueError, FloatingPointError, SVDError, CollectiveError) as exc:
         # One line: wrong input, diverging training, an undecomposable layer, a peer that stopped answering.
         if report:
@@ -546,4 +550,5 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
         _fail(run_dir, f"{type(exc).__name__}: {exc}", retry=True)
         raise SystemExit(1) from None
     finally:
+        trainer = None  # drop the model (DDP holds the process group) before the groups go
         topo.close()
