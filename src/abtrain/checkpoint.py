@@ -24,7 +24,6 @@ import os
 import pickle
 import random
 import shutil
-import tempfile
 import warnings
 import zipfile
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .results import write_json
+from .results import atomic_write, write_json
 
 FORMAT = "abtrain-checkpoint"
 VERSION = 1
@@ -69,19 +68,7 @@ def save_shard(path: str, state: dict[str, Any]) -> None:
     """``torch.save`` through a temporary file in the same directory, fsync, rename."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, lambda fh: torch.save(state, fh))
     _fsync_dir(directory)
 
 

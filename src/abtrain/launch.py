@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import uuid
-from typing import Any
 
 from .checkpoint import read_manifest
 from .config import TrainConfig
@@ -139,7 +138,3 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
         raise RuntimeError(f"worker {first.local_rank} failed with exit code {first.exitcode}; "
                            f"its messages are above") from None
     return 0
-
-
-def status_of(run_dir: str) -> dict[str, Any] | None:
-    return read_status(run_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -10,7 +11,8 @@ import os
 import resource
 import sys
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -18,26 +20,24 @@ HISTORY_COLUMNS = ("step", "epoch", "test_accuracy", "test_loss", "test_perplexi
                    "wire_bytes", "global_wire_bytes", "wall_seconds", "lr", "phase")
 
 
-def atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so readers never see half a file."""
+def atomic_write(path: str, data: str | Callable[[BinaryIO], None]) -> None:
+    """Write ``data`` (text, or a function writing to a binary file) to ``path`` through a
+    temporary file in the same directory, fsync and a rename: readers never see half a file."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as fh:
+            if isinstance(data, str):
+                fh.write(data)
+            else:
+                data(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with_suppressed(os.unlink, tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
-
-
-def with_suppressed(fn, *args) -> None:
-    try:
-        fn(*args)
-    except OSError:
-        pass
 
 
 def write_json(path: str, data: Any) -> None:

@@ -113,23 +113,6 @@ class Topology:
             pg, _ = dist.new_subgroups(group_size=g)
         self._groups["group"] = Group("group", g, "group", pg, ranks)
 
-    def subgroup(self, name: str, ranks_per_group: list[list[int]], scope: str) -> Group:
-        """A cached custom partition of the world (every rank must call this, same arguments).
-
-        Returns the member that contains this rank. Used, e.g., to reduce over
-        the A-groups only.
-        """
-        if name not in self._groups:
-            mine: Group | None = None
-            for ranks in ranks_per_group:
-                pg = dist.new_group(ranks) if self.is_distributed and len(ranks) > 1 else None
-                if self.rank in ranks:
-                    mine = Group(name, len(ranks), scope, pg, tuple(ranks))
-            if mine is None:
-                mine = Group(name, 1, scope, None, (self.rank,))
-            self._groups[name] = mine
-        return self._groups[name]
-
     # -- construction ------------------------------------------------------
     @classmethod
     def from_env(cls, backend: str = "auto", device: str = "auto", group_size: int | None = None,

@@ -18,8 +18,10 @@ from . import checkpoint as ckpt
 from .comm import CollectiveError, Communicator, Ledger
 from .config import SECTIONS, TrainConfig
 from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
+from . import lowrank
 from .lowrank import SVDError
-from .methods import build_method
+from .methods import METHODS, build_method
+from .methods.ab import check_topology
 from .models import build_model, count_parameters
 from .results import (TensorBoard, human_bytes, peak_rss_bytes, read_status, summary_table, write_json,
                       write_metrics_csv, write_status)
@@ -76,28 +78,21 @@ def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
     if cfg.batch_size > shard:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than each worker's shard of the training set "
                          f"({len(ds.train)} samples / {world_size} workers = {shard}); use a smaller batch or fewer workers")
-    build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
+    model = build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
     total = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch(len(ds.train), world_size, cfg.batch_size)
     if cfg.stop_after is not None and cfg.stop_after >= total:
         raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {total} steps")
-    if cfg.method not in _method_names():
-        raise ValueError(f"unknown method {cfg.method!r}; choose one of: {', '.join(_method_names())}")
+    if cfg.method not in METHODS:
+        raise ValueError(f"unknown method {cfg.method!r}; choose one of: {', '.join(METHODS)}")
     group_size = cfg.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % group_size:
         raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
                          f"choose a --group-size that divides the number of workers")
     if cfg.method == "ab":
-        from . import lowrank
-        from .methods.ab import check_topology
         check_topology(cfg.ab, world_size, group_size)
-        lowrank.prepare_model(build_model(cfg.model, ds), full_rank_patterns=cfg.ab.patterns,
+        lowrank.prepare_model(model, full_rank_patterns=cfg.ab.patterns,
                               min_compression=cfg.ab.min_compression)
     return ds
-
-
-def _method_names() -> list[str]:
-    from .methods import METHODS
-    return list(METHODS)
 
 
 class Progress:

@@ -103,3 +103,53 @@ class Method:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class PeriodicMethod(Method):
+    """Workers train apart and meet every ``h`` optimizer steps in one :meth:`meet` (local SGD, DiLoCo).
+
+    The step ending with a meeting is labelled ``meet_phase`` in the ledger, the
+    others ``apart_phase``. Leaving :meth:`attach` meets once more if steps were
+    taken since the last meeting, so every worker ends with one model.
+    """
+
+    apart_phase = "local"
+    meet_phase = "average"
+
+    def __init__(self, comm: Communicator, topo: Topology, h: int) -> None:
+        super().__init__(comm, topo)
+        self.h = h
+        self.t = 0  # optimizer steps taken
+        self.meetings = 0
+        self._last_meeting = 0  # step of the last meeting (step 0: prepare's broadcast)
+
+    @property
+    def phase(self) -> str:
+        return self.meet_phase if (self.t + 1) % self.h == 0 else self.apart_phase
+
+    def meet(self) -> None:
+        """Bring the workers to one model (one collective); the subclass's whole method."""
+        raise NotImplementedError
+
+    def _meet(self) -> None:
+        self.meet()
+        self.meetings += 1
+        self._last_meeting = self.t
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.t += 1
+        if self.t % self.h == 0:
+            self._meet()
+        self.comm.ledger.phase = self.phase
+
+    def in_consensus(self) -> bool:
+        return self._last_meeting == self.t
+
+    def sync_buffers(self) -> None:
+        """Nothing to do at a meeting point: the meeting averaged the buffers too."""
+        if not self.in_consensus():
+            super().sync_buffers()
+
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.in_consensus():
+            self._meet()

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..comm import Communicator
 from ..topology import Topology
-from .base import Method
+from .base import PeriodicMethod
 from ..validate import check_types
 
 
@@ -46,18 +46,16 @@ class DiLoCoConfig:
             raise ValueError(f"--diloco-outer-momentum must be in [0, 1), got {self.outer_momentum}")
 
 
-class DiLoCo(Method):
+class DiLoCo(PeriodicMethod):
     """The user's optimizer for ``h`` inner steps, then an averaged outer step (phases ``inner`` / ``outer``)."""
 
     name = "diloco"
+    apart_phase, meet_phase = "inner", "outer"
 
     def __init__(self, comm: Communicator, topo: Topology, config: DiLoCoConfig | None = None,
                  **options: Any) -> None:
-        super().__init__(comm, topo)
         self.cfg = config if config is not None else DiLoCoConfig(**options)
-        self.t = 0  # inner optimizer steps taken
-        self.outer_steps = 0
-        self._last_outer = 0
+        super().__init__(comm, topo, self.cfg.h)
         self.global_params: list[torch.Tensor] = []
         self.outer_optimizer: torch.optim.Optimizer | None = None
 
@@ -69,19 +67,8 @@ class DiLoCo(Method):
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=self.cfg.outer_lr, momentum=m, nesterov=m > 0)
         return model
 
-    @property
-    def phase(self) -> str:
-        """``outer`` for a step that ends with an outer step, ``inner`` otherwise."""
-        return "outer" if (self.t + 1) % self.cfg.h == 0 else "inner"
-
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.t += 1
-        if self.t % self.cfg.h == 0:
-            self.outer_step()
-        self.comm.ledger.phase = self.phase
-
     @torch.no_grad()
-    def outer_step(self) -> None:
+    def meet(self) -> None:
         """Average the pseudo-gradients (and float buffers) over all workers, step the outer optimizer, load the result."""
         assert self.module is not None and self.outer_optimizer is not None, "prepare() first"
         params = list(self.module.parameters())
@@ -95,36 +82,21 @@ class DiLoCo(Method):
         self.outer_optimizer.zero_grad(set_to_none=True)
         for p, g in zip(params, self.global_params):
             p.copy_(g)
-        self.outer_steps += 1
-        self._last_outer = self.t
-
-    def in_consensus(self) -> bool:
-        return self.t % self.cfg.h == 0 or self._last_outer == self.t
-
-    def sync_buffers(self) -> None:
-        """Nothing to do at a consensus point: buffers were averaged with the pseudo-gradients."""
-        if not self.in_consensus():
-            super().sync_buffers()
-
-    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
-        """An outer step on the inner steps taken since the last one, so that every worker ends with one model."""
-        if not self.in_consensus():
-            self.outer_step()
 
     def extra_results(self) -> dict[str, Any]:
-        return {"diloco": {**asdict(self.cfg), "outer_steps": self.outer_steps}}
+        return {"diloco": {**asdict(self.cfg), "outer_steps": self.meetings}}
 
     def state_dict(self) -> dict[str, Any]:
         assert self.outer_optimizer is not None, "prepare() first"
-        return {"t": self.t, "outer_steps": self.outer_steps, "last_outer": self._last_outer,
+        return {"t": self.t, "outer_steps": self.meetings, "last_outer": self._last_meeting,
                 "global_params": [g.clone() for g in self.global_params],
                 "outer_optimizer": self.outer_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.outer_optimizer is not None, "prepare() first"
         self.t = state["t"]
-        self.outer_steps = state["outer_steps"]
-        self._last_outer = state["last_outer"]
+        self.meetings = state["outer_steps"]
+        self._last_meeting = state["last_outer"]
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global_params"]):
                 g.copy_(saved)
