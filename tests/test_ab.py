@@ -12,7 +12,7 @@ from abtrain.methods.ab import ABConfig, ABTraining
 from abtrain.topology import Topology
 from helpers import run_world
 
-T_W, K, F = 3, 6, 2  # syncs after steps 9 and 15; rebounds 9-10 and 15-16; truncation at 11 and 17
+T_W, K, F = 3, 6, 2  # syncs at the multiples of K: after steps 6, 12, 18; rebounds 6-7, 12-13; truncation at 8 and 14
 STEPS = 19
 
 
@@ -96,8 +96,8 @@ def with_stale():
 
 
 def test_workers_identical_after_every_sync(with_stale):
-    # two scheduled syncs, and the last one when the loop leaves ``attach`` inside an AB phase
-    assert [s["step"] for s in with_stale[0]["syncs"]] == [T_W + K, T_W + 2 * K, STEPS]
+    # three scheduled syncs at multiples of K; the run ends in a rebound, so leaving ``attach`` adds none
+    assert [s["step"] for s in with_stale[0]["syncs"]] == [K, 2 * K, 3 * K]
     for i in range(3):
         ref = with_stale[0]["syncs"][i]["after"]
         for o in with_stale[1:]:
@@ -129,7 +129,7 @@ def test_group_collectives_stay_in_group(with_stale):
         g = o["rank"] // 2
         assert o["group_ranks"] == [2 * g, 2 * g + 1]
     # Inside a group the trained factor is averaged, so both members agree; the two groups differ.
-    last_ab = max(i for i, s in enumerate(with_stale[0]["steps"]) if s["phase"] == "ab" and s["t"] < T_W + K)
+    last_ab = max(i for i, s in enumerate(with_stale[0]["steps"]) if s["phase"] == "ab" and s["t"] < K)
     a0, a1, b0 = (with_stale[r]["steps"][last_ab]["after"] for r in (0, 1, 2))
     key = "body.parametrizations.weight.0.A"
     assert torch.equal(a0[key], a1[key])
@@ -189,10 +189,10 @@ def test_ranks_agree_and_follow_the_rule():
     for entry in later:
         step_after = next(s for s in outs[0]["steps"] if s["t"] == entry["step"])
         for name, m, n in outs[0]["records"]:
-            W = step_after["before"][name.replace(".weight", ".parametrizations.weight.original")]
-            # the rank was chosen on the rebound's W; all workers hold that same W before decomposition
+            # the rank was chosen on the rebound's last W, which the decomposition leaves in place (stale)
+            W = step_after["after"][name.replace(".weight", ".parametrizations.weight.original")]
             sigma = torch.linalg.svdvals(W.reshape(m, -1).float())
-            expected = int((sigma > 0.5 * sigma[0]).sum())
+            expected = max(min(8, m, n), int((sigma > 0.5 * sigma[0]).sum()))  # the default rank floor is 8
             r = entry["layers"][name]
             if r is not None:
                 assert r == expected, name
@@ -221,14 +221,39 @@ def test_sync_modes_compute_the_spec_average(mode):
             assert torch.allclose(got, W, rtol=1e-5, atol=1e-6), (mode, name)
 
 
-def test_only_b_trains_b_with_dp_everywhere():
-    outs = run_world(_train, 2, {"rank_fraction": 0.25, "sync": "only-b"}, 1, "sgd", T_W + K)
+def test_only_b_over_the_world_trains_b_with_dp_everywhere():
+    outs = run_world(_train, 2, {"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, 1, "sgd", T_W + K)
     for o in outs:
         assert o["role"] == "B"
         assert o["group_ranks"] == [0, 1]
     last = outs[0]["steps"][-1]["after"]
     for k, v in outs[1]["steps"][-1]["after"].items():
-        assert torch.equal(v, last[k]), k  # DP over all workers: no drift at all
+        if "running" not in k and "num_batches" not in k:  # BatchNorm statistics are averaged at sync and eval
+            assert torch.equal(v, last[k]), k  # DP over all workers: no drift at all
+
+
+def test_only_b_in_groups_trains_b_inside_groups_and_averages_it_at_sync():
+    outs = run_world(_train, 4, {"rank_fraction": 0.25, "sync": "only-b"}, 2, "sgd", 2 * K)
+    for o in outs:
+        assert o["role"] == "B"
+        assert o["group_ranks"] == [2 * (o["rank"] // 2), 2 * (o["rank"] // 2) + 1]
+    key = "body.parametrizations.weight.0"
+    # inside the first AB phase: B identical inside a group, different between groups; A frozen and equal everywhere
+    ab = max(i for i, s in enumerate(outs[0]["steps"]) if s["phase"] == "ab" and s["t"] < K)
+    after = [o["steps"][ab]["after"] for o in outs]
+    assert torch.equal(after[0][key + ".B"], after[1][key + ".B"])
+    assert torch.equal(after[2][key + ".B"], after[3][key + ".B"])
+    assert not torch.equal(after[0][key + ".B"], after[2][key + ".B"])
+    assert all(torch.equal(a[key + ".A"], after[0][key + ".A"]) for a in after)
+    # at the sync B is averaged over all workers and W = A B is rebuilt: one model everywhere
+    sync = [o["syncs"][0] for o in outs]
+    mean_b = torch.stack([s["before"]["body.weight"][1] for s in sync]).double().mean(0)
+    W = sync[0]["before"]["body.weight"][0].double() @ mean_b
+    for s in sync:
+        got = s["after"]["body.parametrizations.weight.original"].double()
+        assert torch.allclose(got, W, rtol=1e-5, atol=1e-6)
+        for k, v in s["after"].items():
+            assert torch.equal(v, sync[0]["after"][k]), k
 
 
 def test_single_group_is_refused():
@@ -237,10 +262,10 @@ def test_single_group_is_refused():
 
 
 def test_final_rebound_ends_full_rank_inside_the_budget():
-    steps = 17  # AB from step 11 to 13, then the last 3 steps full-rank DP after a sync at step 14
+    steps = 20  # AB from step 14 to 16, then the last 3 steps full-rank DP after a sync at step 17
     outs = run_world(_train, 4, {"rank_fraction": 0.25, "final_rebound_steps": 3}, 2, "sgd", steps, True)
     for o in outs:
-        assert [s["step"] for s in o["syncs"]] == [T_W + K, steps - 3]  # no extra sync when leaving attach
+        assert [s["step"] for s in o["syncs"]] == [K, 2 * K, steps - 3]  # no extra sync when leaving attach
         assert [s["phase"] for s in o["steps"][-3:]] == ["rebound"] * 3
         assert all(mode == "full" for mode in o["steps"][-1]["modes"].values())
     # one model everywhere (BatchNorm statistics are averaged by sync_buffers() before evaluation)

@@ -439,22 +439,44 @@ def test_compression_ratio_by_hand():
     assert lr.format_ratio(44.14) == "44.1:1"
 
 
-def test_ortho_sigma_init_gives_unit_singular_values_and_is_seeded():
-    def init(seed: int) -> list[torch.Tensor]:
-        model = _build(CNN, seed=seed)  # different model seeds: weights must still agree
-        records = lr.prepare_model(model)
-        lr.ortho_sigma_init(records, torch.Generator().manual_seed(1234))
-        return [fp.weight.detach().clone() for fp in records]
+def test_ortho_sigma_init_keeps_singular_vectors_with_unit_singular_values():
+    model = _build(CNN)
+    records = lr.prepare_model(model)
+    before = [fp.weight.detach().clone().reshape(fp.m, fp.n) for fp in records]
+    lr.ortho_sigma_init(records)
+    for fp, w0 in zip(records, before):
+        w = fp.weight.detach().reshape(fp.m, fp.n)
+        torch.testing.assert_close(torch.linalg.svdvals(w), torch.ones(min(fp.m, fp.n)), rtol=0, atol=1e-5)
+        u, _, vh = torch.linalg.svd(w0, full_matrices=False)
+        torch.testing.assert_close(w, u @ vh, rtol=0, atol=1e-6)  # the initial singular vectors, sigma = 1
+    # the same starting weights give the same result (workers agree)
+    again = _build(CNN)
+    lr.ortho_sigma_init(again_records := lr.prepare_model(again))
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(records, again_records))
 
-    first, second = init(0), init(1)
-    for w, v in zip(first, second):
-        assert torch.equal(w, v)
-        s = torch.linalg.svdvals(w.reshape(w.shape[0], -1))
-        torch.testing.assert_close(s, torch.ones_like(s), rtol=0, atol=1e-5)
-    other = CNN()
-    records = lr.prepare_model(other)
-    lr.ortho_sigma_init(records, torch.Generator().manual_seed(99))
-    assert not torch.equal(records[0].weight, first[0])
+
+def test_output_weights_follow_the_graph_not_the_name():
+    class Proto(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proto = nn.Linear(32, 4)  # the output layer, defined first and not called head
+            self.stem = nn.Linear(8, 16)
+            self.depthwise = nn.Conv1d(16, 16, 3, padding=1, groups=16)
+            self.body = nn.Linear(16, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.body(self.depthwise(self.stem(x).unsqueeze(-1)).squeeze(-1)))
+            return self.proto(h) / 0.5
+
+    model = _build(Proto)
+    records = lr.prepare_model(model)
+    assert [fp.name for fp in lr.output_weights(model.train()(torch.randn(3, 8)), records)] == ["proto.weight"]
+    # a model whose nearest weight is kept by name (head) has no output record
+    mlp = _build(MLP)
+    assert lr.output_weights(mlp.train()(MLP.example()), lr.prepare_model(mlp)) == []
+    # the rank floor keeps matrices too small to gain full rank: 16x3 factors at rank 8 are larger than W
+    names = [fp.name for fp in lr.prepare_model(_build(Proto), min_rank=8)]
+    assert "depthwise.weight" not in names and "body.weight" in names
 
 
 def test_describe_and_log_decisions(caplog):

@@ -51,6 +51,7 @@ __all__ = [
     "full_param_count",
     "log_decisions",
     "ortho_sigma_init",
+    "output_weights",
     "pays",
     "prepare_model",
     "recompose",
@@ -180,7 +181,7 @@ class FactorizedParam:
 
 
 def _excluded_reason(
-    module: nn.Module, name: str, param: Tensor, patterns: Sequence[str], min_compression: float
+    module: nn.Module, name: str, param: Tensor, patterns: Sequence[str], min_rank: int
 ) -> str | None:
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return "embedding"
@@ -189,8 +190,10 @@ def _excluded_reason(
             return f"full-rank pattern {pattern!r}"
     m = int(param.shape[0])
     n = math.prod(param.shape[1:])
-    if not pays(m, n, 1, min_compression):
-        return f"cannot pay even at rank 1 ({m}x{n}, min_compression={min_compression})"
+    floor = min(min_rank, m, n)
+    if not pays(m, n, floor):
+        return (f"too small to gain: factors at the rank floor {floor} hold {floor * (m + n)} numbers, "
+                f"W ({m}x{n}) holds {m * n}")
     return None
 
 
@@ -198,21 +201,22 @@ def prepare_model(
     model: nn.Module,
     *,
     full_rank_patterns: Sequence[str] = DEFAULT_FULL_RANK_PATTERNS,
-    min_compression: float = 1.0,
+    min_rank: int = 1,
 ) -> list[FactorizedParam]:
     """Put a :class:`LowRankWeight` (mode ``"full"``) on every factorisable weight of ``model``.
 
     Factorisable: every parameter whose name ends in ``weight`` (``weight``,
     ``in_proj_weight``, ...) with ≥2 dims, except Embedding weights, weights shared
     by several modules, names matching a ``full_rank_patterns`` fnmatch pattern and
-    matrices that would not pay (:func:`pays`) even at rank 1. The model computes
+    matrices too small to gain anything: factors at the rank floor ``min_rank`` would
+    hold at least as many numbers as W (:func:`pays`). The model computes
     exactly the same function afterwards. Build the optimizer after this call.
     Records come in ``model.named_modules()`` order.
     """
     if any(isinstance(mod, LowRankWeight) for mod in model.modules()):
         raise ValueError("model is already prepared for low-rank training; call prepare_model once per model")
-    if min_compression <= 0:
-        raise ValueError(f"min_compression must be > 0, got {min_compression}")
+    if min_rank < 1:
+        raise ValueError(f"min_rank must be >= 1, got {min_rank}")
 
     owners: dict[int, int] = {}
     for mod in model.modules():
@@ -227,7 +231,7 @@ def prepare_model(
             if param is None or not pname.endswith("weight") or param.ndim < 2:
                 continue
             name = f"{mod_name}.{pname}" if mod_name else pname
-            reason = _excluded_reason(mod, name, param, full_rank_patterns, min_compression)
+            reason = _excluded_reason(mod, name, param, full_rank_patterns, min_rank)
             if reason is None and owners[id(param)] > 1:
                 reason = "shared by several modules"
             if reason is None:
@@ -242,7 +246,7 @@ def prepare_model(
         raise ValueError(
             "nothing to factorise: no parameter named '*weight' with >=2 dims is left "
             f"(full_rank_patterns={tuple(full_rank_patterns)}; excluded: {detail}). "
-            "Loosen full_rank_patterns or min_compression."
+            "Loosen full_rank_patterns or lower min_rank."
         )
 
     records = []
@@ -570,29 +574,53 @@ def reset_state(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> N
 # Initialisation
 
 
-def _random_orthonormal(rows: int, cols: int, generator: torch.Generator) -> Tensor:
-    g = torch.randn(rows, cols, generator=generator, device=generator.device, dtype=torch.float32)
-    q, r = torch.linalg.qr(g)
-    # Sign fix makes Q Haar-distributed rather than biased by the QR convention.
-    d = torch.diagonal(r)
-    return q * torch.where(d < 0, -torch.ones_like(d), torch.ones_like(d))
+@torch.no_grad()
+def ortho_sigma_init(records: Iterable[FactorizedParam]) -> None:
+    """Set every singular value of each W to 1, keeping W's singular vectors: W = U·Vᵀ.
 
-
-def ortho_sigma_init(records: Iterable[FactorizedParam], generator: torch.Generator) -> None:
-    """Set each W to U·Vᵀ with orthonormal U (m×k), V (n×k), k=min(m,n): all singular values 1.
-
-    Draws come from ``generator`` in record order, so the same seed gives the same
-    weights on every worker. Call while the layers are in full mode.
+    Applied to the model's default initialisation, this keeps its random
+    directions and gives every factorisable layer a flat spectrum. Workers
+    that start from the same weights end with the same weights. Call while
+    the layers are in full mode.
     """
     for fp in records:
         if fp.mode != "full":
             raise ValueError(f"{fp.name} is in lowrank mode; ortho_sigma_init sets full-rank weights")
-        k = min(fp.m, fp.n)
-        u = _random_orthonormal(fp.m, k, generator)
-        v = _random_orthonormal(fp.n, k, generator)
         w = fp.weight
-        with torch.no_grad():
-            w.copy_((u @ v.T).reshape(fp.shape).to(dtype=w.dtype, device=w.device))
+        u, _, vh = torch.linalg.svd(w.detach().reshape(fp.m, fp.n).float(), full_matrices=False)
+        w.copy_((u @ vh).reshape(fp.shape).to(dtype=w.dtype, device=w.device))
+
+
+def output_weights(output: Tensor, records: Sequence[FactorizedParam]) -> list[FactorizedParam]:
+    """The factorisable layers whose weights produce ``output``: the model's output layer(s).
+
+    A breadth-first walk from ``output.grad_fn`` stops at the first depth where
+    the gradient reaches any weight (a parameter of ≥ 2 dims); the records among
+    those weights are returned (W in full mode, A or B in low-rank mode). A model
+    with two output layers gives both; one whose nearest weight is not a record
+    (kept full rank by name, tied to an embedding) gives none. Works whatever
+    the layer is called and whatever follows it (a division by a temperature, a
+    reshape). Empty when ``output`` has no autograd graph.
+    """
+    owner = {id(t): fp for fp in records for t in (fp.weight, fp.A, fp.B)}
+    frontier = [output.grad_fn] if output.grad_fn is not None else []
+    seen: set[int] = set()
+    while frontier:
+        weights: list[Tensor] = []
+        following = []
+        for node in frontier:
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)
+            if variable is not None and variable.ndim >= 2:
+                weights.append(variable)
+            following.extend(next_node for next_node, _ in node.next_functions)
+        if weights:
+            found = [owner[id(w)] for w in weights if id(w) in owner]
+            return list({id(fp): fp for fp in found}.values())
+        frontier = following
+    return []
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
 from . import lowrank
 from .lowrank import SVDError
 from .methods import METHODS, build_method
-from .methods.ab import check_topology
+from .methods.ab import Schedule, check_topology
 from .models import build_model, count_parameters
 from .results import (TensorBoard, human_bytes, peak_rss_bytes, read_status, summary_table, write_json,
                       write_metrics_csv, write_status)
@@ -90,8 +90,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
                          f"choose a --group-size that divides the number of workers")
     if cfg.method == "ab":
         check_topology(cfg.ab, world_size, group_size)
-        lowrank.prepare_model(model, full_rank_patterns=cfg.ab.patterns,
-                              min_compression=cfg.ab.min_compression)
+        Schedule.from_config(cfg.ab, total)  # a rebound as long as the cycle fails here, not in the workers
+        lowrank.prepare_model(model, full_rank_patterns=cfg.ab.patterns, min_rank=cfg.ab.min_rank)
     return ds
 
 
@@ -210,6 +210,7 @@ class Trainer:
                                      f"--grad-clip{self._kept()}")
         self._train_loss_sum += value
         self._train_loss_count += 1
+        self.method.observe_loss(value)
         return value
 
     @torch.no_grad()

@@ -53,12 +53,19 @@ class Method:
         handles = [optimizer.register_step_pre_hook(lambda *_: self.before_step(optimizer)),
                    optimizer.register_step_post_hook(lambda *_: self.after_step(optimizer))]
         try:
+            self.start(optimizer)
             self.comm.ledger.phase = self.phase
             yield self
             self.finalize(optimizer)  # like accelerate's LocalSGD: leave every worker with one model
         finally:
             for h in handles:
                 h.remove()
+
+    def start(self, optimizer: torch.optim.Optimizer) -> None:
+        """Runs when :meth:`attach` begins, before the first step of the block."""
+
+    def observe_loss(self, value: float) -> None:
+        """This worker's training loss of the step just taken (methods may watch it; the trainer reports it)."""
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Runs after backward, before the optimizer updates the parameters."""
