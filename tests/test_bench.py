@@ -11,7 +11,7 @@ from abtrain.bench import BenchConfig, NetworkModel, parse_method_args, run_benc
 from abtrain.bench import netns
 from abtrain.bench.projection import collective_seconds, comm_seconds_per_step, epoch_seconds, group_size_of
 from abtrain.bench.report import pareto_front, time_to_reach
-from abtrain.bench.workloads import ab_schedule, get_workload
+from abtrain.bench.workloads import get_workload
 from abtrain.cli import build_parser, main
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -93,14 +93,13 @@ def test_bench_flag_surface_is_frozen():
     assert all(a.help for a in bench._actions)
 
 
-def test_workloads_share_flags_and_scale_ab_schedule():
+def test_workloads_share_flags_and_leave_ab_its_own_schedule():
     w = get_workload("fashion-cnn")
     assert w.steps == 3 * (60000 // 4 // 64)
     args = w.args_for("ab")
-    assert args[args.index("--group-size") + 1] == "2" and "--ab-warmup-steps" in args
-    # the default job's budget gets abtrain's own defaults back
-    assert ab_schedule(702) == ["--ab-warmup-steps", "200", "--ab-cycle-steps", "150", "--ab-rebound-steps", "10",
-                                "--ab-lr-rebound-steps", "10"]
+    # AB-training's defaults are fractions of the run: the workload adds no schedule of its own
+    assert args[args.index("--group-size") + 1] == "2" and not any(a.startswith("--ab-") for a in args)
+    assert get_workload("fashion-wide").args_for("ddp")[1] == "wide"
     quick = get_workload("fashion-cnn", quick=True)
     assert "--limit-train" in quick.train_args and quick.steps < w.steps
     assert get_workload("shakespeare-gpt").metric == "perplexity"

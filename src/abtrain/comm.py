@@ -292,9 +292,25 @@ class Communicator:
         return out
 
     # -- flat-buffer helpers: one collective per dtype ---------------------
-    def all_reduce_tensors(self, tensors: Sequence[torch.Tensor], group: Group, average: bool = True) -> None:
-        """Average (or sum) several tensors in place through one flat buffer per dtype."""
-        self._packed(tensors, group, lambda flat: self.all_reduce(flat, group, average=average))
+    def all_reduce_tensors(self, tensors: Sequence[torch.Tensor], group: Group, average: bool = True,
+                           wire_dtype: torch.dtype | None = None) -> None:
+        """Average (or sum) several tensors in place through one flat buffer per dtype.
+
+        ``wire_dtype`` (e.g. bfloat16) casts the buffer for the collective and back;
+        an average then divides before the sum, as torch's bf16 hook does, so the
+        narrow type cannot overflow. Every worker receives the same result.
+        """
+        if wire_dtype is None:
+            self._packed(tensors, group, lambda flat: self.all_reduce(flat, group, average=average))
+            return
+
+        def narrow(flat: torch.Tensor) -> torch.Tensor:
+            sent = flat.to(wire_dtype)
+            if average:
+                sent.div_(group.size)
+            return self.all_reduce(sent, group).to(flat.dtype)
+
+        self._packed(tensors, group, lambda flat: flat.copy_(narrow(flat)))
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], group: Group, src: int = 0) -> None:
         """Broadcast several tensors in place through one flat buffer per dtype."""

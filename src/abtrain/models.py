@@ -21,14 +21,15 @@ from abtrain.data import Dataset
 
 __all__ = ["MODELS", "build_model", "count_parameters", "criterion"]
 
-MODELS = ("mlp", "cnn", "resnet", "gpt")
+MODELS = ("mlp", "cnn", "wide", "resnet", "gpt")
 # Which task each model fits; used for the "wrong dataset" message.
-_MODEL_TASK = {"mlp": "classify", "cnn": "classify", "resnet": "classify", "gpt": "lm"}
+_MODEL_TASK = {"mlp": "classify", "cnn": "classify", "wide": "classify", "resnet": "classify", "gpt": "lm"}
 _TASK_DATASETS = {"classify": "fashion-mnist, synthetic", "lm": "shakespeare"}
 # Keyword options build_model passes through to each model.
 _OVERRIDES = {
     "mlp": ("hidden",),
     "cnn": ("width", "dropout"),
+    "wide": ("hidden", "dropout"),
     "resnet": ("blocks", "width"),
     "gpt": ("d_model", "n_layer", "n_head"),
 }
@@ -93,6 +94,35 @@ class VGG(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.features(self.stem(x)).flatten(1)
         x = self.dropout(F.relu(self.fc(x)))
+        return self.head(x)
+
+
+class WideCNN(nn.Module):
+    """Two small conv stages, then two wide fully connected layers: VGG16's shape on small images.
+
+    VGG16 on 32x32 inputs holds about 89 % of its parameters in its fully
+    connected layers (512 -> 4096 -> 4096); this model does the same on
+    Fashion-MNIST at a size two CPU cores train in minutes: 1568 -> 1024 ->
+    1024 (2.7 M parameters, 98 % of them in ``fc1`` and ``fc2``).
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 1024,
+                 dropout: float = 0.25) -> None:
+        super().__init__()
+        c, h, w = input_shape
+        if h < 4 or w < 4:
+            raise ValueError(f"wide needs inputs of at least 4x4 pixels, got {h}x{w}; use mlp for smaller inputs")
+        self.stem = nn.Sequential(_conv_bn_relu(c, 16), nn.MaxPool2d(2))
+        self.features = nn.Sequential(_conv_bn_relu(16, 32), nn.MaxPool2d(2))
+        self.fc1 = nn.Linear(32 * (h // 4) * (w // 4), hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(self.stem(x)).flatten(1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout(F.relu(self.fc2(x)))
         return self.head(x)
 
 
@@ -240,7 +270,7 @@ def build_model(name: str, dataset: Dataset, **overrides: Any) -> nn.Module:
             f"use it with: {_TASK_DATASETS[task]}"
         )
     shape = tuple(dataset.input_shape)
-    if name in ("cnn", "resnet") and len(shape) != 3:
+    if name in ("cnn", "wide", "resnet") and len(shape) != 3:
         raise ValueError(
             f"model {name!r} needs image inputs (C, H, W) but {dataset.name!r} has input shape {shape}; "
             "use mlp for flat inputs"
@@ -256,6 +286,8 @@ def build_model(name: str, dataset: Dataset, **overrides: Any) -> nn.Module:
         return MLP(math.prod(shape), dataset.num_classes, **overrides)
     if name == "cnn":
         return VGG(shape, dataset.num_classes, **overrides)
+    if name == "wide":
+        return WideCNN(shape, dataset.num_classes, **overrides)
     if name == "resnet":
         return ResNet(shape, dataset.num_classes, **overrides)
     return GPT(dataset.num_classes, shape[0], **overrides)

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
 from ..comm import Communicator, Group
+from ..reducers import DENSE_REDUCERS, build_reducer
 from ..topology import Topology
 from .base import Method
 from ..validate import check_types
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
 SPLITS = ("sqrt", "sigma")
+SYNC_DTYPES = ("fp32", "bf16")
 STATE_POLICIES = ("keep", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
@@ -77,6 +79,9 @@ class ABConfig:
     optimizer_state: str = _opt("keep", "keep (resized) or reset the optimizer state of factors at each decomposition", choices=STATE_POLICIES)
     init: str = _opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = _opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
+    dense_comm: str = _opt("fp32", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
+    powersgd_rank: int = _opt(4, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
+    sync_dtype: str = _opt("fp32", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
     keep_output: bool = _opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
 
     def __post_init__(self) -> None:
@@ -97,6 +102,8 @@ class ABConfig:
                              f"(K={self.cycle_steps}): each cycle is F rebound steps then K-F AB steps")
         if self.min_rank < 1:
             raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
+        if self.powersgd_rank < 1:
+            raise ValueError(f"--ab-powersgd-rank must be >= 1, got {self.powersgd_rank}")
         rules = [n for n in ("tau", "rank", "rank_fraction", "energy") if getattr(self, n) is not None]
         if len(rules) > 1:
             raise ValueError(f"choose one rank rule, got {', '.join('--ab-' + r.replace('_', '-') for r in rules)}")
@@ -108,6 +115,7 @@ class ABConfig:
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
         for name, choices in (("sync", SYNC_MODES), ("only_b_groups", ONLY_B_GROUPS), ("split", SPLITS),
+                              ("dense_comm", DENSE_REDUCERS), ("sync_dtype", SYNC_DTYPES),
                               ("optimizer_state", STATE_POLICIES), ("init", INITS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown --ab-{name.replace('_', '-')} {getattr(self, name)!r}; choose one of: {', '.join(choices)}")
@@ -214,6 +222,8 @@ class ABTraining(Method):
         # scopes still follow the physical groups (topo.world crosses them); only the reduction widens.
         self.train_group = topo.world if only_b and self.cfg.only_b_groups == "world" else topo.group
         self.rule = self.cfg.rank_rule()
+        self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank)
+        self.wire_dtype = torch.bfloat16 if self.cfg.sync_dtype == "bf16" else None
         num_a_groups = max(1, topo.num_groups // 2)
         self.role = "B" if only_b else ("A" if topo.group_index < num_a_groups else "B")
         self.a_ranks = list(range(num_a_groups * topo.group_size))
@@ -319,12 +329,12 @@ class ABTraining(Method):
         if self._reduced:
             return
         self._reduced = True
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
         if self.phase == "ab":
             if not self.cfg.independent:
-                self.comm.all_reduce_tensors(grads, self.train_group, average=True)
+                self.comm.all_reduce_tensors([g for _, g in named], self.train_group, average=True)
         else:
-            self.comm.all_reduce_tensors(grads, self.topo.world, average=True)
+            self.dense.reduce(named, self.topo.world)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.comm.ledger.phase = self.phase
@@ -438,20 +448,21 @@ class ABTraining(Method):
             # carry group-specific optimizer moments: average them too, so that the
             # rebound that follows is exact data parallelism with one model everywhere.
             rest = full + buffers + _moments(optimizer, full)
-            mode = self.cfg.sync
+            mode, wire = self.cfg.sync, self.wire_dtype
             if mode == "with-stale":
-                self.comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world)
+                self.comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world, wire_dtype=wire)
             elif mode == "only-learned":
                 self._average_learned(low, rest, world)
             elif mode == "full":
                 for fp in low:
                     lowrank.recompose(fp)
-                self.comm.all_reduce_tensors([fp.weight for fp in low] + rest, world)
+                self.comm.all_reduce_tensors([fp.weight for fp in low] + rest, world, wire_dtype=wire)
             elif self.train_group is world and not self.cfg.independent:
                 # only-b over one group of everyone: nothing drifts apart but BatchNorm statistics
-                self.comm.all_reduce_tensors(buffers, world)
+                self.comm.all_reduce_tensors(buffers, world, wire_dtype=wire)
             else:  # only-b in groups: A is the same frozen factor everywhere; B and the rest are averaged
-                self.comm.all_reduce_tensors([fp.B for fp in low] + rest, world)
+                self.comm.all_reduce_tensors([fp.B for fp in low] + rest, world, wire_dtype=wire)
+            self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
                     lowrank.recompose(fp)
@@ -473,7 +484,7 @@ class ABTraining(Method):
             contrib.append(fp.A / n_a if in_a else torch.zeros_like(fp.A))
             contrib.append(fp.B / n_b if not in_a else torch.zeros_like(fp.B))
         contrib += [t / self.topo.world_size for t in rest]
-        self.comm.all_reduce_tensors(contrib, world, average=False)
+        self.comm.all_reduce_tensors(contrib, world, average=False, wire_dtype=self.wire_dtype)
         for fp, a, b in zip(low, contrib[0::2], contrib[1::2]):
             fp.A.copy_(a)
             fp.B.copy_(b)
@@ -521,7 +532,7 @@ class ABTraining(Method):
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
-                "ratio": self.ratio}
+                "ratio": self.ratio, "dense": self.dense.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
@@ -537,6 +548,7 @@ class ABTraining(Method):
         self.svd_seconds = state["svd_seconds"]
         self.sync_seconds = state["sync_seconds"]
         self.ratio = state["ratio"]
+        self.dense.load_state_dict(state["dense"])
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)
