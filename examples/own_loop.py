@@ -14,8 +14,8 @@ from abtrain.data import make_synthetic, shard_indices
 
 STEPS, BATCH = 120, 32
 
-method = abtrain.setup("ab", group_size=2, warmup_steps=20, cycle_steps=40, rebound_steps=5,
-                       rank_fraction=0.25, min_compression=1.0)
+# The schedule scales with the run: warm-up 25 % of the steps, a sync every 6 %, rebounds of 10 % of a cycle.
+method = abtrain.setup("ab", total_steps=STEPS, group_size=2, rank_fraction=0.25)
 rank, world = method.topo.rank, method.topo.world_size
 
 torch.manual_seed(0)  # same initial model everywhere (prepare() also broadcasts rank 0's)

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue the run in RUN_DIR from its last checkpoint, with its saved configuration; "
                             "only " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OPTIONS) + " may be given")
     _add_config_flags(train, config_fields(), TrainConfig())
-    ab = train.add_argument_group("AB-training (--method ab)", "the options of ALGORITHM.md; K, F, T_w and R in optimizer steps")
+    ab = train.add_argument_group("AB-training (--method ab)", "low-rank factors trained by independent groups, periodic sync and full-rank rebound (docs/ab-training.md); the schedule scales with the run unless given in steps")
     _add_config_flags(ab, ab_fields(), ABConfig(), prefix="ab-")
     for section, title, description in (
             ("localsgd", "local SGD (--method localsgd)", "workers train alone, the model is averaged every H steps"),
