@@ -186,6 +186,10 @@ def test_ranks_agree_and_follow_the_rule():
     assert all(log == logs[0] for log in logs)
     first, later = logs[0][0], logs[0][1:]
     assert all(r == min(m, n) for (name, m, n), r in zip(outs[0]["records"], first["layers"].values()))
+    # the ratchet: under the tau rule (no gate) every truncation keeps every layer factorised, ranks never grow
+    for before, after in zip(later, later[1:]):
+        for name, r in after["layers"].items():
+            assert r is not None and r <= before["layers"][name], (name, before["step"], after["step"])
     for entry in later:
         step_after = next(s for s in outs[0]["steps"] if s["t"] == entry["step"])
         for name, m, n in outs[0]["records"]:

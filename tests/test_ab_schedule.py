@@ -1,0 +1,138 @@
+"""AB-training's schedule and its guards for real models: single process where the math allows, gloo otherwise."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from abtrain.comm import Communicator
+from abtrain.methods.ab import ABConfig, ABTraining, Schedule
+from abtrain.topology import Topology
+from helpers import run_world
+
+
+def _phases(s: Schedule, total: int) -> list[tuple[str, int, int]]:
+    out: list[list] = []
+    for t in range(total):
+        p = s.phase_at(t)
+        if out and out[-1][0] == p:
+            out[-1][2] = t + 1
+        else:
+            out.append([p, t, t + 1])
+    return [tuple(x) for x in out]
+
+
+@pytest.mark.parametrize("total", [60, 702, 2000, 45000])
+def test_default_fractions_scale_with_the_budget(total):
+    s = Schedule.from_config(ABConfig(), total)
+    assert s.warmup == round(0.25 * total)
+    assert s.cycle == max(2, round(0.06 * total))
+    assert 1 <= s.rebound < s.cycle and s.rebound == max(1, round(0.1 * s.cycle))
+    assert s.lr_rebound > s.rebound
+    phases = _phases(s, total)
+    assert phases[0] == ("warmup", 0, s.warmup)
+    # a sync at every multiple of K after the warm-up, each followed by F rebound steps
+    syncs = [k * s.cycle for k in range(1, total // s.cycle + 1) if s.warmup < k * s.cycle < total]
+    assert [start for p, start, _ in phases if p == "rebound"] == syncs
+    assert all(end - start == s.rebound for p, start, end in phases if p == "rebound" and end < total)
+    assert 10 <= s.syncs() <= 13
+
+
+def test_absolute_steps_override_fractions_and_need_no_budget():
+    s = Schedule.from_config(ABConfig(warmup_steps=3, cycle_steps=6, rebound_steps=2, lr_rebound_steps=0), None)
+    assert (s.warmup, s.cycle, s.rebound, s.lr_rebound) == (3, 6, 2, 0)
+    assert _phases(s, 20) == [("warmup", 0, 3), ("ab", 3, 6), ("rebound", 6, 8), ("ab", 8, 12),
+                              ("rebound", 12, 14), ("ab", 14, 18), ("rebound", 18, 20)]
+    with pytest.raises(ValueError, match="total_steps=N"):
+        Schedule.from_config(ABConfig(), None)
+
+
+def test_warmup_zero_and_rebound_zero_events():
+    s = Schedule.from_config(ABConfig(warmup_steps=0, cycle_steps=4, rebound_steps=0), None)
+    assert s.phase_at(0) == "ab" and all(s.phase_at(t) == "ab" for t in range(12))
+    # at each multiple of K: the sync and the truncated decomposition, back to back
+    assert [t for t in range(1, 13) if s.events(t) == (True, True)] == [4, 8, 12]
+    assert all(s.events(t) == (False, False) for t in range(1, 13) if t % 4)
+
+
+def test_schedule_without_budget_is_refused_with_what_to_do():
+    method = ABTraining(Communicator(), Topology(), ABConfig(sync="only-b"))
+    model = method.prepare(nn.Sequential(nn.Linear(4, 32), nn.Linear(32, 32), nn.Linear(32, 2)))
+    with pytest.raises(ValueError, match="total_steps"):
+        with method.attach(torch.optim.SGD(model.parameters(), lr=0.1)):
+            pass
+
+
+class Proto(nn.Module):
+    """A user's model: grouped and depthwise convs, a classifier called ``proto``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 64, 3, padding=1)
+        self.depthwise = nn.Conv2d(64, 64, 3, padding=1, groups=64)  # a 64 x 9 matrix
+        self.grouped = nn.Conv2d(64, 64, 3, padding=1, groups=4)
+        self.proto = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.grouped(torch.relu(self.depthwise(torch.relu(self.stem(x))))))
+        return self.proto(x.mean((2, 3))) / 0.1
+
+
+def _train_single(options: dict, steps: int = 6) -> ABTraining:
+    torch.manual_seed(0)
+    cfg = ABConfig(sync="only-b", only_b_groups="world", cycle_steps=3, rebound_steps=1, **options)
+    method = ABTraining(Communicator(), Topology(), cfg)
+    method.plan(steps)
+    model = method.prepare(Proto())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with method.attach(opt):
+        for _ in range(steps):
+            loss = model(torch.randn(4, 3, 8, 8)).logsumexp(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return method
+
+
+@pytest.mark.parametrize("warmup", [1, 0])
+def test_output_layer_found_by_the_graph_and_the_floor_holds(warmup):
+    method = _train_single({"rank_fraction": 0.1, "warmup_steps": warmup, "truncate_first": True})
+    assert method.kept == ["proto.weight"]
+    layers = {fp.name: fp for fp in method.records}
+    assert layers["proto.weight"].mode == "full"
+    assert "depthwise.weight" not in layers  # too small to gain at the rank floor: never factorised
+    # rank_fraction 0.1 of 64 is 6: the floor (8) holds at every decomposition
+    assert all(d["layers"]["grouped.weight"] == 8 for d in method.ranks)
+    assert method.ranks[0]["step"] == warmup  # warm-up 0: decomposed before the first step
+
+
+def _ddp_wrapped():
+    topo = Topology.from_env(backend="gloo", device="cpu", group_size=1)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                                nn.Linear(64, 16)))
+    method = ABTraining(Communicator(), topo, ABConfig(warmup_steps=1, cycle_steps=3, rebound_steps=1))
+    model = method.prepare(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(topo.rank)
+    with method.attach(opt):
+        for _ in range(7):
+            loss = model(torch.randn(8, 16, generator=gen)).logsumexp(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.kept,
+           "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
+    del ddp
+    topo.close()
+    return out
+
+
+def test_a_ddp_wrapped_model_is_unwrapped_and_trains():
+    outs = run_world(_ddp_wrapped, 2)
+    for o in outs:
+        assert o["unwrapped"]
+        assert o["names"] == ["0.weight", "2.weight", "4.weight"]  # no "module." prefix
+        assert o["kept"] == ["4.weight"]
+    for k, v in outs[0]["weights"].items():  # the run ends with a sync: one model everywhere
+        assert torch.equal(v, outs[1]["weights"][k]), k
