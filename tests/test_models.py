@@ -31,6 +31,7 @@ CLASSIFY_CASES = [
     ("mlp", image_dataset()),
     ("mlp", flat_dataset()),
     ("cnn", image_dataset()),
+    ("wide", image_dataset()),
     ("resnet", image_dataset()),
     ("resnet", image_dataset(shape=(3, 16, 16), classes=5)),
 ]
@@ -74,6 +75,14 @@ def test_stem_and_head_names(name: str, ds: Dataset) -> None:
         # The first weight is the stem's, and it belongs to a layer that can be factorised.
         assert names[0].startswith("stem.") and names[0].endswith("weight")
         assert isinstance(modules[names[0].rsplit(".", 1)[0]], (nn.Linear, nn.Conv2d))
+
+
+def test_wide_holds_its_parameters_in_two_wide_layers() -> None:
+    model = build_model("wide", image_dataset(shape=(1, 28, 28), classes=10))
+    total = count_parameters(model)
+    fc = model.fc1.weight.numel() + model.fc2.weight.numel()
+    assert model.fc1.weight.shape == (1024, 1568) and model.fc2.weight.shape == (1024, 1024)
+    assert fc / total > 0.98 and total == 2_671_354
 
 
 def test_gpt_layer_names() -> None:
