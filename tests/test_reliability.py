@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -156,9 +157,9 @@ def test_signal_to_the_launcher_stops_the_run_resumably(tmp_path, reference, how
 
 
 # -- 2 and 7: the run directory's lock ----------------------------------------------
-def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys):
-    out = tmp_path / "run"
-    proc = _start(out, 100000)
+def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys, monkeypatch):
+    out, tmpdir = tmp_path / "run", tmp_path / "tmp"
+    proc = _start(out, 100000, tmpdir=tmpdir)
     try:
         _wait_for_step(proc, 5)
         assert is_locked(str(out))
@@ -178,6 +179,12 @@ def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys):
             proc.kill()
     assert json.loads((out / "status.json").read_text())["status"] == "running"
     assert not is_locked(str(out)) and run_status(str(out))["status"] == "interrupted"
+    # SIGKILL ran no cleanup: the next launcher removes the dead one's temporary directory.
+    from abtrain.launch import _remove_orphaned_tmp
+    assert [n.startswith(f"abtrain-{proc.pid}-") for n in os.listdir(tmpdir)] == [True]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    _remove_orphaned_tmp()
+    assert os.listdir(tmpdir) == []
 
 
 def test_lock_is_exclusive_and_released(tmp_path):

@@ -254,7 +254,8 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torch's temporary files (the agent's log directory, each worker's error file) go to a directory of this
     # run's own, removed at the end whatever the outcome.
-    tmp = tempfile.mkdtemp(prefix="abtrain-")
+    _remove_orphaned_tmp()
+    tmp = tempfile.mkdtemp(prefix=f"abtrain-{os.getpid()}-")
     board = os.path.join(tmp, "steps")
     saved: dict[str, Any] = {"tempdir": tempfile.tempdir, "TMPDIR": os.environ.get("TMPDIR"),
                              "handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}}
@@ -297,6 +298,25 @@ def _failed(failures: dict[int, Any], run_dir: str, board: str) -> None:
         print(status["traceback"].rstrip(), file=sys.stderr)  # a bug: the cause in full, once
         line = f"worker {status.get('rank', '?')} failed: {line}"
     raise RunFailed(line, code)
+
+
+def _remove_orphaned_tmp() -> None:
+    """Remove the private temporary directories of launchers that were killed (SIGKILL runs no cleanup)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(r"abtrain-(\d+)-\w+", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            pass  # alive (or another user's)
 
 
 def _interrupted(run_dir: str, board: str, world: int, sig: str) -> int:
