@@ -16,11 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
-from .comm import CollectiveError, Communicator, Ledger
+from .comm import Communicator, Ledger
 from .config import SECTIONS, TrainConfig
 from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
 from . import lowrank
-from .lowrank import SVDError
 from .methods import METHODS, build_method
 from .methods.ab import check_topology
 from .models import build_model, count_parameters
