@@ -1,17 +1,29 @@
-"""Fault injection: SIGKILL a random worker at a random step, and feed the CLI bad input.
+"""Fault injection: kill workers and the launcher, corrupt what runs leave behind, feed the CLI bad input.
 
 Part 1 runs a tiny job (2 workers, MLP on synthetic data, DDP or AB-training)
-once without faults per method, then N times under ``--max-restarts 1`` while
-killing one random worker process with SIGKILL right after a random step, and
-compares each run's final weights (RUN_DIR/model.pt) with the uninterrupted
-run's. Part 2 feeds bad input: invalid flags and values, conflicting options,
-broken config files, corrupt datasets (in-process through ``abtrain.cli.main``,
-which is what the command runs before any worker starts), and a subset through
-the real command, including truncated, garbled, foreign and code-running
-checkpoints. Each must end with one ``abtrain: error:`` line, a non-zero exit
-and nothing already saved changed.
+once without faults per method, then
 
-    .venv/bin/python benchmarks/fault_injection.py [--runs 20] [--seed 0] [--json out.json]
+- ``--runs`` times under ``--max-restarts 1`` while killing one random worker
+  process with SIGKILL right after a random step,
+- ``--checkpoint-kills`` times the same right after a checkpoint step (the
+  kill lands while the checkpoint is being written),
+- ``--launcher-runs`` times a signal to the launcher (SIGINT, SIGTERM, SIGINT
+  to the whole process group as Ctrl-C sends it, SIGKILL) at a random step,
+  followed by ``abtrain train --resume``,
+
+and compares each run's final weights (RUN_DIR/model.pt) with the
+uninterrupted run's. Part 2 feeds bad input: invalid flags and values,
+conflicting options, broken config files, corrupt datasets (in-process through
+``abtrain.cli.main``, which is what the command runs before any worker starts),
+and a subset through the real command: truncated, garbled, zeroed (same size),
+foreign and code-running checkpoints, edited config.json files, runs writing
+into the directory of a live run (concurrent writers) and a run on a full disk
+(a 2 MB tmpfs, when run as root). Each must end with one ``abtrain: error:``
+line, a documented exit code (2 for bad input, 4 for a full disk), no
+traceback and nothing already saved changed.
+
+    .venv/bin/python benchmarks/fault_injection.py [--runs 20] [--checkpoint-kills 4] [--launcher-runs 8]
+                                                   [--seed 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,6 +84,41 @@ def worker_pids(pid: int) -> list[int]:
     return out
 
 
+def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
+    """Signal the launcher right after ``kill_step``, then resume; the run must end as if never stopped."""
+    args = ABTRAIN + ["train", *JOB, *METHODS[method], "--checkpoint-every", "3", "--out", str(run_dir)]
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            start_new_session=True)
+    sent = False
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if not sent and line.startswith(f"step {kill_step}/"):
+            if how == "SIGINT to the group":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                os.kill(proc.pid, getattr(signal, how))
+            sent = True
+    proc.wait()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
+    expected = -9 if how == "SIGKILL" else 130
+    one_line = how == "SIGKILL" or (len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr)
+    deadline = time.time() + 30
+    while how == "SIGKILL" and os.path.exists(run_dir / ".lock") and time.time() < deadline:
+        from abtrain.rundir import is_locked
+        if not is_locked(str(run_dir)):
+            break
+        time.sleep(0.2)
+    resumed = subprocess.run(ABTRAIN + ["train", "--resume", str(run_dir)], capture_output=True, text=True, env=env(),
+                             timeout=300)
+    return {"method": method, "signal": how, "kill_step": kill_step, "sent": sent, "returncode": proc.returncode,
+            "expected_returncode": expected, "one_line": one_line, "status_after_signal": status.get("status"),
+            "resume_returncode": resumed.returncode, "seconds": round(time.perf_counter() - start, 1),
+            "status": json.loads((run_dir / "status.json").read_text()).get("status"),
+            "error": (stderr.strip().splitlines() or [None])[-1] if proc.returncode not in (0, expected) else None}
+
+
 def weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "model.pt", weights_only=True)
 
@@ -129,6 +176,15 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
                                           "--ab-min-compression", "--powersgd-start-iter",
                                           "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon")
             for v in ("-1", "abc", "nan")]
+    huge = "99999999999999999999"
+    out += [base + [flag, huge] for flag in ("--workers", "--batch-size", "--block-size", "--epochs", "--steps",
+                                             "--eval-every", "--log-every", "--group-size", "--threads",
+                                             "--limit-train", "--limit-test", "--checkpoint-every", "--stop-after",
+                                             "--warmup-lr-steps", "--max-restarts", "--seed")]
+    out += [base + ["--steps", "10000000000"], base + ["--epochs", "2000000000"]]
+    out += [base + ["--timeout", v] for v in ("0.5", "0.01", "1e9", "999999999")]
+    if not torch.cuda.is_available():
+        out += [base + ["--device", "cuda"], base + ["--backend", "nccl"], base + ["--backend", "nccl", "--device", "cpu"]]
     conflicts = [
         ["--method", "ab"],  # one group of 2 workers: AB needs two groups
         ["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"],
@@ -154,13 +210,22 @@ def bad_files(tmp: Path) -> list[list[str]]:
     cases = []
     tomls = ['lerning_rate = 0.1\n', 'batch-size = "big"\n', 'lr = nan\n', 'steps = 1.5\n', 'method = 3\n',
              '[ab]\ntau = "x"\n', '[ab]\nbogus = 1\n', 'ab = 4\n', 'this is not toml\n', 'workers = -2\n',
-             'ledger = "yes"\n', '[localsgd]\nh = 0\n', 'timeout = inf\n', 'steps = -5\n']
+             'ledger = "yes"\n', '[localsgd]\nh = 0\n', 'timeout = inf\n', 'steps = -5\n',
+             'steps = 99999999999999999999\n', 'timeout = 0.5\n', 'workers = 1e3\n', '[ab\nx = 1\n',
+             'lr = 0.1\nlr = 0.2\n', 'device = "cuda"\n', '= 3\n']
     for i, text in enumerate(tomls):
         path = tmp / f"bad{i}.toml"
         path.write_text(text)
         # Only the file's values: flags would override them.
         cases.append(["--dataset", "synthetic", "--model", "mlp", "--out", str(tmp / "fuzz-run"), "--config", str(path)])
     cases.append(base + ["--dataset", "synthetic", "--config", str(tmp / "missing.toml")])
+    for name, raw in (("latin1", 'method = "ddp" # caf\xe9\n'.encode("latin-1")), ("binary", os.urandom(64) + b"\xff"),
+                      ("utf16", 'steps = 3\n'.encode("utf-16"))):
+        path = tmp / f"bad-{name}.toml"
+        path.write_bytes(raw)
+        cases.append(["--dataset", "synthetic", "--model", "mlp", "--out", str(tmp / "fuzz-run"), "--config", str(path)])
+    (tmp / "a-directory.toml").mkdir()
+    cases.append(base + ["--dataset", "synthetic", "--config", str(tmp / "a-directory.toml")])
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import make_fake_fashion
     good = make_fake_fashion(tmp / "fashion-good", n_train=256, n_test=64)
@@ -171,6 +236,9 @@ def bad_files(tmp: Path) -> list[list[str]]:
         "not-gzip": lambda b: gzip.decompress(b)[:100],
         "bad-magic": lambda b: gzip.compress(b"\x00\x00\x09\x03" + gzip.decompress(b)[4:]),
         "short-payload": lambda b: gzip.compress(gzip.decompress(b)[:-50]),
+        "wrong-ndim": lambda b: gzip.compress(gzip.decompress(b)[:3] + bytes([gzip.decompress(b)[3] + 1])
+                                              + gzip.decompress(b)[4:]),
+        "bad-type-code": lambda b: gzip.compress(gzip.decompress(b)[:2] + b"\x07" + gzip.decompress(b)[3:]),
     }
     for name, damage in damages.items():
         for stem in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz"):
@@ -196,15 +264,20 @@ def in_process(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def one_clear_line(code: int, stderr: str) -> bool:
+#: The exit codes docs/reliability.md documents: 2 bad input, 4 no space left on device.
+EXIT_INPUT, EXIT_NO_SPACE = 2, 4
+
+
+def one_clear_line(code: int, stderr: str, expected: int = EXIT_INPUT) -> bool:
     lines = stderr.strip().splitlines()
-    return code != 0 and len(lines) == 1 and lines[0].startswith("abtrain: error:") and "Traceback" not in stderr
+    return (code == expected and len(lines) == 1 and lines[0].startswith("abtrain: error:")
+            and "Traceback" not in stderr)
 
 
 def digest(run_dir: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(run_dir.rglob("*")):
-        if path.is_file() and path.name != "status.json":
+        if path.is_file() and path.name not in ("status.json", ".lock"):  # the lock file holds its owner's pid
             h.update(str(path.relative_to(run_dir)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -242,12 +315,47 @@ def checkpoint_cases(tmp: Path) -> list[tuple[str, list[str], Path, Path | None]
         (d / shard).write_bytes(bytes(data))
     variant("garbled-shard", garble)
 
+    def zeroed(rank: int, where: float, length: int):
+        def change(d: Path) -> None:  # same size, bytes changed inside a tensor: only the checksum sees it
+            path = d / f"checkpoint/step-00000006/rank{rank}.pt"
+            data = bytearray(path.read_bytes())
+            at = int(len(data) * where)
+            data[at:at + length] = bytes(length)
+            path.write_bytes(bytes(data))
+        return change
+    for rank in (0, 1):
+        for where, length in ((0.3, 64), (0.6, 4), (0.9, 1024)):
+            variant(f"zeroed-shard-rank{rank}-at{where}-{length}B", zeroed(rank, where, length))
+
+    def flip_bit(d: Path) -> None:
+        path = d / shard
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    variant("one-bit-flipped-shard", flip_bit)
+
+    def random_same_size(d: Path) -> None:
+        path = d / shard
+        path.write_bytes(os.urandom(path.stat().st_size))
+    variant("random-bytes-same-size", random_same_size)
+
+    def edit_config(key: str, value) -> None:
+        def change(d: Path) -> None:
+            config = json.loads((d / "config.json").read_text())
+            config[key] = value
+            (d / "config.json").write_text(json.dumps(config))
+        variant(f"config-json-{key}-edited", change)
+    for key, value in (("lr", 0.5), ("steps", 3), ("seed", 4), ("batch_size", 8), ("momentum", 0.5),
+                       ("weight_decay", 0.0), ("lr_schedule", "constant")):
+        edit_config(key, value)
+
     def payload(d: Path) -> Path:
         marker = d.parent / f"pwned-{d.name}"
         with open(d / shard, "wb") as fh:
             pickle.dump({"format": "abtrain-checkpoint", "x": _Payload(str(marker))}, fh)
         manifest = json.loads((d / "checkpoint/latest.json").read_text())
         manifest["files"]["rank1.pt"] = (d / shard).stat().st_size
+        manifest["sha256"]["rank1.pt"] = hashlib.sha256((d / shard).read_bytes()).hexdigest()  # a forged manifest
         (d / "checkpoint/latest.json").write_text(json.dumps(manifest))
         return marker
     variant("code-running-pickle", payload)
@@ -260,16 +368,76 @@ def checkpoint_cases(tmp: Path) -> list[tuple[str, list[str], Path, Path | None]
     variant("manifest-not-json", lambda d: (d / "checkpoint/latest.json").write_text("{oops"))
     variant("missing-shard", lambda d: (d / shard).unlink())
     variant("config-not-json", lambda d: (d / "config.json").write_text("[1, 2"))
-    cases.append(("changing-flag", ["--resume", str(stopped), "--lr", "0.5"], stopped, None))
+    cases.append(("changing-flag", ["--resume", str(stopped), "--batch-size", "8"], stopped, None))
+    cases.append(("bad-lr-on-resume", ["--resume", str(stopped), "--lr", "-1"], stopped, None))
+    cases.append(("stop-after-before-checkpoint", ["--resume", str(stopped), "--stop-after", "4"], stopped, None))
+    cases.append(("stop-after-at-checkpoint", ["--resume", str(stopped), "--stop-after", "6"], stopped, None))
+    cases.append(("fresh-run-into-unfinished", [*JOB, "--out", str(stopped)], stopped, None))
     cases.append(("unknown-flag", ["--resume", str(stopped), "--bogus"], stopped, None))
     cases.append(("bad-value-real-cli", [*JOB, "--lr", "-3"], None, None))
     cases.append(("conflict-real-cli", [*JOB, *METHODS["ab"], "--ab-rank", "2"], None, None))
     return cases
 
 
+def concurrent_writers(tmp: Path) -> list[dict]:
+    """Start a long run, then try to write into its directory while it is alive: every attempt is refused."""
+    live = tmp / "live"
+    proc = subprocess.Popen(ABTRAIN + ["train", *JOB, "--steps", "100000", "--eval-every", "1000",
+                                       "--checkpoint-every", "50", "--out", str(live)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 60/"):
+            break
+    attempts = [[*JOB, "--out", str(live)], [*JOB, *METHODS["ab"], "--out", str(live)],
+                ["--resume", str(live)], ["--resume", str(live), "--max-restarts", "2"],
+                ["--resume", str(live), "--lr", "0.01"], ["--resume", str(live), "--stop-after", "99999"]]
+    results = []
+    for n, argv in enumerate(attempts):
+        if n < 2:  # through the real command
+            p = subprocess.run(ABTRAIN + ["train", *argv], capture_output=True, text=True, env=env(), timeout=300)
+            code, stderr = p.returncode, p.stderr
+        else:
+            code, stderr = in_process(argv)
+        results.append({"path": "cli" if n < 2 else "in-process", "case": f"concurrent-writer-{n}", "argv": argv,
+                        "exit": code, "handled": one_clear_line(code, stderr) and "in use" in stderr,
+                        "message": stderr.strip()[:300]})
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    alive_ok = proc.returncode == 130 and (live / "checkpoint" / "latest.json").exists()
+    for r in results:
+        r["handled"] = r["handled"] and alive_ok
+    return results
+
+
+def full_disk(tmp: Path) -> dict | None:
+    """A run on a 2 MB tmpfs: the second checkpoint does not fit. Needs root (mount); None otherwise."""
+    disk = tmp / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode:
+        return None
+    try:
+        out = disk / "run"
+        p = subprocess.run(ABTRAIN + ["train", *JOB, "--steps", "40", "--checkpoint-every", "5", "--out", str(out)],
+                           capture_output=True, text=True, env=env(), timeout=300)
+        manifest = json.loads((out / "checkpoint" / "latest.json").read_text())
+        intact = subprocess.run([sys.executable, "-c", "import sys, torch; from abtrain import checkpoint as c; "
+                                 "m = c.read_manifest(sys.argv[1]); [c.load_shard(c.shard_path(sys.argv[1], m, r)) "
+                                 "for r in range(2)]", str(out)], capture_output=True, env=env()).returncode == 0
+        handled = (one_clear_line(p.returncode, p.stderr, EXIT_NO_SPACE) and "no space left on device" in p.stderr
+                   and f"the checkpoint of step {manifest['step']} is intact" in p.stderr and intact)
+        return {"path": "cli", "case": "full-disk", "argv": ["--out", str(out)], "exit": p.returncode,
+                "handled": handled, "saved_data_intact": intact, "message": p.stderr.strip()[:300]}
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=20, help="worker kills at a random step")
+    ap.add_argument("--checkpoint-kills", type=int, default=4, help="worker kills right after a checkpoint step")
+    ap.add_argument("--launcher-runs", type=int, default=8, help="signals to the launcher, then --resume")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "fault_injection.json"))
     opts = ap.parse_args()
@@ -296,6 +464,30 @@ def main() -> None:
                   f"{r['kill_step']:2d}: exit {r['returncode']}, {r['status']}, identical {r['identical']} "
                   f"({r['seconds']} s)", flush=True)
             shutil.rmtree(run_dir, ignore_errors=True)
+        for i in range(opts.checkpoint_kills):
+            method = list(METHODS)[i % len(METHODS)]
+            run_dir = tmp / f"ckpt-kill-{i}"
+            r = kill_run(method, run_dir, 3 * rng.randint(1, (STEPS - 3) // 3), rng)
+            r["at_checkpoint"] = True
+            r["identical"] = r["status"] == "complete" and same(weights(run_dir), refs[method])
+            runs.append(r)
+            print(f"checkpoint kill {i + 1}/{opts.checkpoint_kills}: {method:3s} kill worker {r['killed_worker']} "
+                  f"after checkpoint step {r['kill_step']:2d}: exit {r['returncode']}, {r['status']}, "
+                  f"identical {r['identical']} ({r['seconds']} s)", flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        signals = ["SIGINT", "SIGTERM", "SIGINT to the group", "SIGKILL"]
+        launcher = []
+        for i in range(opts.launcher_runs):
+            method = list(METHODS)[i % len(METHODS)]
+            run_dir = tmp / f"launcher-{i}"
+            r = launcher_run(method, run_dir, rng.randint(4, STEPS - 3), signals[i % len(signals)])
+            r["identical"] = (r["status"] == "complete" and r["resume_returncode"] == 0
+                              and same(weights(run_dir), refs[method]))
+            launcher.append(r)
+            print(f"launcher {i + 1}/{opts.launcher_runs}: {method:3s} {r['signal']} after step {r['kill_step']:2d}: "
+                  f"exit {r['returncode']} (one line {r['one_line']}), status {r['status_after_signal']}, resume exit "
+                  f"{r['resume_returncode']}, identical {r['identical']} ({r['seconds']} s)", flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
         # -- part 2 --------------------------------------------------------
         inputs = []
         for n, argv in enumerate(bad_argvs(tmp) + bad_files(tmp)):
@@ -311,6 +503,10 @@ def main() -> None:
             inputs.append({"path": "cli", "case": name, "argv": argv, "exit": p.returncode,
                            "handled": one_clear_line(p.returncode, p.stderr) and intact and safe,
                            "saved_data_intact": intact, "no_code_ran": safe, "message": p.stderr.strip()[:300]})
+        inputs += concurrent_writers(tmp)
+        disk = full_disk(tmp)
+        if disk is not None:
+            inputs.append(disk)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -320,15 +516,31 @@ def main() -> None:
         "runs_with_a_kill": len(killed),
         "runs_completed": sum(r["status"] == "complete" and r["returncode"] == 0 for r in runs),
         "runs_identical": sum(r["identical"] for r in runs),
+        "launcher_runs": len(launcher),
+        "launcher_signals_sent": sum(r["sent"] for r in launcher),
+        "launcher_exit_as_documented": sum(r["returncode"] == r["expected_returncode"] and r["one_line"]
+                                           for r in launcher),
+        "launcher_identical_after_resume": sum(r["identical"] for r in launcher),
+        "kills_and_signals": len(killed) + sum(r["sent"] for r in launcher),
+        "kills_and_signals_identical": sum(r["identical"] for r in runs if r["killed_worker"] is not None)
+                                       + sum(r["identical"] for r in launcher if r["sent"]),
         "bad_inputs": len(inputs),
         "bad_inputs_cli": sum(i["path"] == "cli" for i in inputs),
         "bad_inputs_handled": sum(i["handled"] for i in inputs),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    rows = [("worker killed (SIGKILL) at a random step", f"{summary['runs_with_a_kill']} / {summary['runs']}"),
+    rows = [("worker killed (SIGKILL), --max-restarts 1", f"{summary['runs_with_a_kill']} / {summary['runs']}"),
             ("runs completed after the restart", f"{summary['runs_completed']} / {summary['runs']}"),
             ("final weights identical to the uninterrupted run", f"{summary['runs_identical']} / {summary['runs']}"),
-            ("bad inputs handled (one line, exit != 0, nothing damaged)",
+            ("launcher signalled (SIGINT, SIGTERM, Ctrl-C, SIGKILL)",
+             f"{summary['launcher_signals_sent']} / {summary['launcher_runs']}"),
+            ("launcher exit as documented (130, one line; -9)",
+             f"{summary['launcher_exit_as_documented']} / {summary['launcher_runs']}"),
+            ("identical to the uninterrupted run after --resume",
+             f"{summary['launcher_identical_after_resume']} / {summary['launcher_runs']}"),
+            ("all kills and signals: identical at the end",
+             f"{summary['kills_and_signals_identical']} / {summary['kills_and_signals']}"),
+            ("bad inputs handled (one line, documented exit code, nothing damaged)",
              f"{summary['bad_inputs_handled']} / {summary['bad_inputs']} ({summary['bad_inputs_cli']} through the real CLI)"),
             ("wall time", f"{summary['seconds']} s")]
     width = max(len(k) for k, _ in rows)
@@ -337,7 +549,8 @@ def main() -> None:
         if not i["handled"]:
             print("NOT HANDLED:", i.get("case") or " ".join(i["argv"][-4:]), "->", i["exit"], i["message"][:200])
     Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(opts.json).write_text(json.dumps({"summary": summary, "runs": runs, "inputs": inputs}, indent=2) + "\n")
+    Path(opts.json).write_text(json.dumps({"summary": summary, "runs": runs, "launcher": launcher, "inputs": inputs},
+                                          indent=2) + "\n")
     print(f"written {opts.json}")
 
 

@@ -133,6 +133,7 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     manifest_path = os.path.join(ckpt.checkpoint_root(run_dir), "latest.json")
     manifest = json.loads(open(manifest_path).read())
     manifest["files"]["rank0.pt"] = os.path.getsize(shard)
+    manifest["sha256"]["rank0.pt"] = ckpt.sha256_file(shard)  # a forger who rewrites the manifest too
     open(manifest_path, "w").write(json.dumps(manifest))
     with pytest.raises(ValueError, match="safe load refuses"):
         Trainer(TrainConfig(**{**cfg.__dict__, "stop_after": None}), Topology(), run_dir, resume=True)
@@ -150,8 +151,8 @@ def test_truncated_and_foreign_checkpoints_are_refused(tmp_path):
     open(shard, "wb").write(data[: len(data) // 2])
     with pytest.raises(ValueError, match="truncated"):
         Trainer(plain, Topology(), run_dir, resume=True)
-    # Same size, garbled bytes: torch's reader fails, reported as one line.
+    # Same size, changed bytes: the manifest's checksum refuses it, in one line.
     open(shard, "wb").write(data[: len(data) // 2] + b"\0" * (len(data) - len(data) // 2))
-    with pytest.raises(ValueError, match="corrupt or truncated") as err:
+    with pytest.raises(ValueError, match="is corrupt: its sha256 differs") as err:
         Trainer(plain, Topology(), run_dir, resume=True)
     assert "\n" not in str(err.value)

@@ -4,7 +4,8 @@ Layout::
 
     RUN_DIR/checkpoint/step-00000120/rank0.pt   # each worker's own state (AB groups and optimizer
     RUN_DIR/checkpoint/step-00000120/rank1.pt   #   states differ between workers)
-    RUN_DIR/checkpoint/latest.json              # the manifest: which step is complete, file sizes
+    RUN_DIR/checkpoint/latest.json              # the manifest: which step is complete, each shard's
+                                                #   size and sha256, the run's configuration and its hash
 
 A shard is written to a temporary file, fsynced and renamed. Rank 0 writes
 the manifest only after every worker has finished its shard (a barrier), and
@@ -19,6 +20,7 @@ pickles that would run code.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -72,16 +74,37 @@ def save_shard(path: str, state: dict[str, Any]) -> None:
     _fsync_dir(directory)
 
 
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """sha256 of a configuration in a canonical JSON form (key order and whitespace do not count)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_manifest(run_dir: str, step: int, world_size: int, meta: dict[str, Any]) -> None:
-    """Declare step ``step`` complete (every shard is on disk), then drop older step directories."""
+    """Declare step ``step`` complete (every shard is on disk), then drop older step directories.
+
+    ``meta`` may hold ``config`` (the run's saved configuration, config.json): the manifest keeps it
+    with its hash, so that a resume can tell an edited config.json from the one the run used.
+    """
     directory = step_dir(run_dir, step)
-    files = {}
+    files, sha256 = {}, {}
     for rank in range(world_size):
         path = os.path.join(directory, shard_name(rank))
         files[shard_name(rank)] = os.path.getsize(path)
+        sha256[shard_name(rank)] = sha256_file(path)
+    meta = dict(meta)
+    if meta.get("config") is not None:
+        meta["config_sha256"] = config_digest(meta["config"])
     write_json(os.path.join(checkpoint_root(run_dir), MANIFEST),
                {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
-                "dir": os.path.basename(directory), "files": files, **meta})
+                "dir": os.path.basename(directory), "files": files, "sha256": sha256, **meta})
     _fsync_dir(checkpoint_root(run_dir))
     # Only older steps: a newer directory may be a partial write of a run that crashed and is being redone.
     for name in os.listdir(checkpoint_root(run_dir)):
@@ -119,7 +142,8 @@ def check_manifest(manifest: dict[str, Any], expected: dict[str, Any], where: st
 
 
 def shard_path(run_dir: str, manifest: dict[str, Any], rank: int) -> str:
-    """Path of ``rank``'s shard, checked against the manifest (presence and size: a truncated file is refused)."""
+    """Path of ``rank``'s shard, checked against the manifest: presence, size (a truncated file is refused)
+    and sha256 (a shard whose bytes changed is refused as corrupt)."""
     path = os.path.join(checkpoint_root(run_dir), manifest["dir"], shard_name(rank))
     expected = manifest["files"].get(shard_name(rank))
     if expected is None:
@@ -131,7 +155,23 @@ def shard_path(run_dir: str, manifest: dict[str, Any], rank: int) -> str:
     if size != expected:
         raise ValueError(f"checkpoint shard {path} is {size} bytes, the manifest says {expected}: "
                          f"the file is truncated or was replaced")
+    sums = manifest.get("sha256")
+    digest = sums.get(shard_name(rank)) if isinstance(sums, dict) else None
+    if digest is not None and sha256_file(path) != digest:
+        raise ValueError(f"checkpoint shard {path} is corrupt: its sha256 differs from the manifest's "
+                         f"(same size, changed bytes); the checkpoint of step {manifest['step']} cannot be used")
     return path
+
+
+def check_config(manifest: dict[str, Any], saved: dict[str, Any], path: str) -> None:
+    """Refuse a config.json that differs from the configuration the checkpoint was written with."""
+    recorded = manifest.get("config")
+    if not isinstance(recorded, dict) or config_digest(saved) == manifest.get("config_sha256"):
+        return
+    keys = sorted(k for k in set(recorded) | set(saved) if recorded.get(k) != saved.get(k))
+    raise ValueError(f"{path} differs from the configuration the checkpoint of step {manifest['step']} was "
+                     f"written with ({', '.join(keys) or 'its hash'}); restore it, or start a new run with "
+                     f"another --out (a resume may change only its documented options)")
 
 
 def load_shard(path: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 from . import __version__
 from .config import SECTIONS, TrainConfig, ab_fields, coerce, config_fields, read_config_file, section_fields
 from .methods.ab import ABConfig
+from .rundir import RunFailed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="TOML file with the same keys as these flags; flags override it")
     train.add_argument("--resume", metavar="RUN_DIR",
                        help="continue the run in RUN_DIR from its last checkpoint, with its saved configuration; "
-                            "only " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OPTIONS) + " may be given")
+                            "only " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OPTIONS + RESUME_SETTINGS)
+                            + " may be given (--lr and --grad-clip: to continue after a divergence)")
     _add_config_flags(train, config_fields(), TrainConfig())
     ab = train.add_argument_group("AB-training (--method ab)", "low-rank factors trained by independent groups, periodic sync and full-rank rebound (docs/ab-training.md); the schedule scales with the run unless given in steps")
     _add_config_flags(ab, ab_fields(), ABConfig(), prefix="ab-")
@@ -153,8 +155,10 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-#: Options that may differ when a run is continued: they change how it runs, not what it computes.
+#: Options that may differ when a run is continued: they change how it runs, not what it computes...
 RESUME_OPTIONS = ("max_restarts", "stop_after", "checkpoint_every", "timeout", "log_every", "threads")
+#: ... and the two a run may need after a divergence; a change is recorded in results.json's ``resumes``.
+RESUME_SETTINGS = ("lr", "grad_clip")
 
 
 def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
@@ -166,11 +170,12 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
     if getattr(ns, "config", None):
         raise ValueError("--resume takes the configuration saved in the run directory; drop --config")
     given = sorted(k for k in vars(ns) if k not in ("command", "config", "resume"))
-    refused = [k for k in given if k not in RESUME_OPTIONS]
+    allowed = RESUME_OPTIONS + RESUME_SETTINGS
+    refused = [k for k in given if k not in allowed]
     if refused:
         raise ValueError(f"--resume continues the run with its saved configuration; "
                          f"{', '.join('--' + k.replace('_', '-') for k in refused)} would change it "
-                         f"(allowed: {', '.join('--' + k.replace('_', '-') for k in RESUME_OPTIONS)})")
+                         f"(allowed: {', '.join('--' + k.replace('_', '-') for k in allowed)})")
     try:
         with open(path) as fh:
             saved = json.load(fh)
@@ -180,6 +185,14 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"{path} is unreadable: {exc}") from None
     if not isinstance(saved, dict):
         raise ValueError(f"{path} does not hold a configuration")
+    from .checkpoint import check_config, read_manifest
+    manifest = read_manifest(run_dir)
+    if manifest is not None:
+        check_config(manifest, saved, path)
+        # --lr / --grad-clip given at an earlier resume hold until changed again: the checkpoint knows them.
+        settings = manifest.get("settings")
+        if isinstance(settings, dict):
+            saved.update({k: settings[k] for k in RESUME_SETTINGS if k in settings})
     saved["stop_after"] = None  # a stop belongs to the invocation that asked for it
     saved.update({k: getattr(ns, k) for k in given})
     try:
@@ -204,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if report["interrupted"]:
                 return 130
             return 0 if all(r["status"] == "complete" for r in report["methods"]) else 1
+    except RunFailed as exc:
+        print(f"abtrain: error: {exc}", file=sys.stderr)
+        return exc.code
     except (ValueError, RuntimeError) as exc:
         print(f"abtrain: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1

@@ -29,6 +29,14 @@ SECTIONS: dict[str, type] = {"ab": ABConfig, "localsgd": LocalSGDConfig, "diloco
                              "powersgd": PowerSGDConfig}
 
 
+#: Counts above this are typos (``--steps 99999999999999999999``), refused before they overflow anything.
+MAX_COUNT = 10**9
+COUNT_FIELDS = ("workers", "epochs", "steps", "batch_size", "eval_every", "log_every", "group_size", "threads",
+                "block_size", "limit_train", "limit_test", "checkpoint_every", "stop_after", "warmup_lr_steps",
+                "max_restarts", "seed")
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0  # seconds
+
+
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
@@ -89,6 +97,14 @@ class TrainConfig:
                 _positive(name, getattr(self, name))
         for name in ("lr", "bucket_cap_mb", "timeout"):
             _positive(name, getattr(self, name), strict=True)
+        for name in COUNT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value > MAX_COUNT:
+                raise ValueError(f"--{_flag(name)} {value} is beyond any real run (at most {MAX_COUNT:,}); "
+                                 f"check the number")
+        if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:
+            raise ValueError(f"--timeout must be between {MIN_TIMEOUT:g} and {MAX_TIMEOUT:g} seconds, got "
+                             f"{self.timeout:g}: a collective's normal wait must fit in it")
         if self.grad_clip is not None:
             _positive("grad_clip", self.grad_clip, strict=True)
         for name in ("weight_decay", "warmup_lr_steps", "max_restarts"):
@@ -155,6 +171,8 @@ def ab_fields() -> list[dataclasses.Field]:
 
 def read_config_file(path: str) -> dict[str, Any]:
     """Read a TOML file whose keys are the flags' names (dashes or underscores)."""
+    if os.path.isdir(path):
+        raise ValueError(f"config file {path} is a directory; pass a TOML file (--config FILE)")
     if not os.path.isfile(path):
         raise ValueError(f"config file {path} does not exist")
     try:
@@ -162,6 +180,10 @@ def read_config_file(path: str) -> dict[str, Any]:
             raw = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 TOML") from None
+    except OSError as exc:
+        raise ValueError(f"config file {path} cannot be read: {exc.strerror}") from None
     known = {f.name for f in config_fields()}
     section_known = {s: {f.name for f in section_fields(s)} for s in SECTIONS}
     out: dict[str, Any] = {}

@@ -96,8 +96,11 @@ class Dataset:
 # ---------------------------------------------------------------- IDX files
 
 
-def read_idx(path: str | os.PathLike) -> torch.Tensor:
-    """Read an IDX file (gzip-compressed or raw) into a tensor of its stored dtype."""
+def read_idx(path: str | os.PathLike, expected_ndim: int | None = None) -> torch.Tensor:
+    """Read an IDX file (gzip-compressed or raw) into a tensor of its stored dtype.
+
+    ``expected_ndim``: the number of dimensions the file must declare (3 for images, 1 for labels).
+    """
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -118,6 +121,9 @@ def read_idx(path: str | os.PathLike) -> torch.Tensor:
         raise DataError(f"{path}: unknown IDX type code 0x{type_code:02x}; file is corrupt or not IDX")
     if ndim == 0:
         raise DataError(f"{path}: IDX header declares 0 dimensions; file is corrupt")
+    if expected_ndim is not None and ndim != expected_ndim:
+        raise DataError(f"{path}: IDX header declares {ndim} dimensions, expected {expected_ndim}; "
+                        "the file is corrupt or not this dataset's: re-download it")
     header_len = 4 + 4 * ndim
     if len(raw) < header_len:
         raise DataError(f"{path}: truncated IDX header ({len(raw)} bytes); re-download the file")
@@ -156,8 +162,8 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None) -> Dataset:
         )
 
     def split(images_key: str, labels_key: str) -> Split:
-        images = read_idx(paths[images_key])
-        labels = read_idx(paths[labels_key])
+        images = read_idx(paths[images_key], expected_ndim=3)
+        labels = read_idx(paths[labels_key], expected_ndim=1)
         if images.dim() != 3 or images.dtype != torch.uint8:
             raise DataError(
                 f"{paths[images_key]}: expected uint8 images [N, H, W], got {images.dtype} "

@@ -8,19 +8,30 @@
   (see examples/slurm.sbatch).
 - Otherwise ``--workers N`` local workers are started by
   ``torch.distributed.launcher.api.elastic_launch`` (what torchrun uses) with a
-  standalone c10d rendezvous on loopback.
+  standalone c10d rendezvous on loopback. The launcher holds the run
+  directory's lock, keeps torch's temporary files in a private directory that
+  it removes at the end, and turns every way a run can end into one line and
+  an exit code (see :mod:`abtrain.rundir`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import shutil
+import signal
+import sys
+import tempfile
 import uuid
+from typing import Any
 
-from .checkpoint import read_manifest
+from .checkpoint import read_manifest, shard_path
 from .config import TrainConfig
 from .results import check_writable, read_status, write_json, write_status
+from .rundir import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_WORKER_DIED, RunFailed, RunLock, StepBoard, run_status,
+                     signal_name)
 
 log = logging.getLogger(__name__)
 
@@ -61,39 +72,66 @@ def _slurm_tasks_on_this_node(env: dict[str, str], ntasks: int) -> int:
     return max(1, ntasks // nodes)
 
 
+#: A local run with more workers than this many per core gets a warning about memory.
+WORKERS_PER_CORE_WARNING = 4
+
+
 def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
     """Run ``abtrain train``: validate, then start or join the workers. Returns the exit code.
 
     ``resume_dir``: continue that run from its last checkpoint (``cfg`` is its saved configuration).
     """
-    from .train import default_run_dir, preflight, restart_count, worker_main
+    from .train import default_run_dir, preflight
+    from .worker import restart_count, worker_main
 
     mode = external_world()
     world = int(os.environ["WORLD_SIZE"]) if mode else cfg.workers
     run_dir = resume_dir or cfg.out or os.environ.get("ABTRAIN_RUN_DIR") or default_run_dir(cfg)
     is_main = not mode or int(os.environ.get("RANK", "0")) == 0
-    if is_main:
-        if resume_dir:
-            check_resumable(run_dir, world)
-        else:
-            check_writable(run_dir)
+    lock = RunLock(run_dir)
+    try:
+        if is_main:
+            if not resume_dir:
+                check_writable(run_dir)
+            lock.acquire()  # before anything is read or written: a live run owns its directory
+            if resume_dir:
+                check_resumable(run_dir, world, cfg, shards=not mode)
+                previous = run_status(run_dir) or {}
+                if previous.get("status") == "interrupted" and previous.get("reason"):
+                    print("abtrain: the run was left 'running' by a process that is gone; resuming it",
+                          file=sys.stderr, flush=True)
             # Under torchrun, a restarted worker runs this again: then the checkpoint is its own run's.
-            if restart_count() == 0 and read_manifest(run_dir) is not None:
+            elif restart_count() == 0 and read_manifest(run_dir) is not None:
                 raise ValueError(f"run directory {run_dir} holds a checkpoint of an unfinished run: continue it with "
                                  f"'abtrain train --resume {run_dir}', or pass another --out")
-    preflight(cfg, world)
-    if is_main:
-        if not resume_dir and restart_count() == 0:
-            write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
-        write_status(run_dir, "running", world_size=world)
-    if mode:
-        worker_main(cfg.to_dict(), run_dir, bool(resume_dir), report=True)
-        return 0
-    return _launch_local(cfg, run_dir, bool(resume_dir))
+        preflight(cfg, world)
+        if not mode:
+            _warn_about_memory(cfg.workers)
+        if is_main:
+            if not resume_dir and restart_count() == 0:
+                write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
+            write_status(run_dir, "running", world_size=world, pid=os.getpid())
+        if mode:
+            worker_main(cfg.to_dict(), run_dir, bool(resume_dir), report=True)
+            return 0
+        return _launch_local(cfg, run_dir, bool(resume_dir))
+    finally:
+        lock.release()
 
 
-def check_resumable(run_dir: str, world: int) -> None:
-    """A run directory that ``--resume`` can continue: unfinished, with a complete checkpoint for ``world`` workers."""
+def _warn_about_memory(workers: int) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > WORKERS_PER_CORE_WARNING * cores:
+        print(f"abtrain: warning: {workers} workers on {cores} CPU cores: every worker is a process with its own "
+              f"copy of the model, the data and the backend's buffers (hundreds of MB each); expect high memory "
+              f"use and slow steps, or use fewer --workers", file=sys.stderr, flush=True)
+
+
+def check_resumable(run_dir: str, world: int, cfg: TrainConfig | None = None, shards: bool = False) -> None:
+    """A run directory that ``--resume`` can continue: unfinished, with a complete checkpoint for ``world`` workers.
+
+    ``shards``: also check every shard's presence, size and checksum (the local launcher, which sees them all).
+    """
     if os.path.exists(os.path.join(run_dir, "results.json")):
         raise ValueError(f"run directory {run_dir} holds a finished run (results.json); there is nothing to resume")
     manifest = read_manifest(run_dir)
@@ -103,38 +141,191 @@ def check_resumable(run_dir: str, world: int) -> None:
     if manifest["world_size"] != world:
         raise ValueError(f"the checkpoint in {run_dir} was written by {manifest['world_size']} workers, "
                          f"this run has {world}; resume with the same number of workers")
+    if shards:
+        for rank in range(world):
+            shard_path(run_dir, manifest, rank)
+    if cfg is not None and cfg.stop_after is not None and cfg.stop_after <= manifest["step"]:
+        raise ValueError(f"--stop-after {cfg.stop_after}: the run is already at step {manifest['step']}; "
+                         f"give a later step, or none")
+
+
+def _kept(run_dir: str) -> tuple[int | None, str]:
+    """The last complete checkpoint's step, and the sentence that says what a user can do with it."""
+    try:
+        manifest = read_manifest(run_dir)
+    except ValueError:
+        manifest = None
+    if manifest is None:
+        return None, "no checkpoint was written yet: start the run again"
+    return manifest["step"], (f"the checkpoint of step {manifest['step']} is kept: continue with "
+                              f"'abtrain train --resume {run_dir}'")
+
+
+def _reached(board: str, world: int) -> int | None:
+    steps = [s for s in (StepBoard.read(board, r) for r in range(world)) if s is not None]
+    return max(steps) if steps else None
+
+
+def _describe(failures: dict[int, Any], run_dir: str, board: str) -> tuple[str, int, bool]:
+    """The one line for a failed attempt, its exit code, and whether a restart can help.
+
+    A worker killed by a signal is the cause; the others' errors (a lost peer) only echo it.
+    Otherwise the worker that recorded the first failure in status.json says why.
+    """
+    died = {rank: f for rank, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
+    if died:
+        rank = min(died)
+        step = StepBoard.read(board, rank)
+        return (f"worker {rank} died (killed by {signal_name(-died[rank].exitcode)}) at step "
+                f"{'?' if step is None else step}", EXIT_WORKER_DIED, True)
+    status = read_status(run_dir) or {}
+    if status.get("status") == "failed" and status.get("error"):
+        return status["error"], int(status.get("exit_code", EXIT_FAILED)), bool(status.get("retry", True))
+    rank = min(failures)
+    step = StepBoard.read(board, rank)
+    return (f"worker {rank} exited with code {failures[rank].exitcode} at step {'?' if step is None else step} "
+            f"without saying why", EXIT_WORKER_DIED, True)
+
+
+def _exited(pid: int) -> bool:
+    """Linux: the worker has exited and waits to be reaped (a zombie), or is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: str) -> Any:
+    """torch's local elastic agent, watched: restarts are announced in one line, stopped workers are woken
+    before they are terminated (a SIGSTOPped worker would otherwise hold the shutdown for its timeout)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from .worker import worker_main
+
+    def announce(failures: dict[int, Any]) -> None:
+        line, _, retry = _describe(failures, run_dir, board)
+        if retry:
+            step, _ = _kept(run_dir)
+            source = f"the checkpoint of step {step}" if step is not None else "the start (no checkpoint yet)"
+            print(f"abtrain: {line}, restarting from {source}", file=sys.stderr, flush=True)
+
+    class Agent(LocalElasticAgent):
+        def _wake(self) -> None:
+            """SIGCONT every worker once one has exited: torch terminates the rest with SIGTERM and waits 30 s
+            for each before SIGKILL, and a stopped process would take all of them."""
+            pids = list(self._pcontext.pids().values()) if self._pcontext is not None else []
+            if any(_exited(pid) for pid in pids):
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except OSError:
+                        pass
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            self._wake()
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and self._remaining_restarts > 0:
+                announce(result.failures)
+            return result
+
+    params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0",  # standalone, as torchrun --standalone
+                                  run_id=f"abtrain-{uuid.uuid4().hex[:8]}", min_nodes=1, max_nodes=1,
+                                  timeout=int(cfg.timeout))
+    spec = WorkerSpec(role="default", local_world_size=cfg.workers, entrypoint=worker_main,
+                      args=(cfg.to_dict(), run_dir, resume, False, board),
+                      rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                      max_restarts=cfg.max_restarts,  # the agent restarts every worker; they continue from the checkpoint
+                      monitor_interval=0.5)
+    return Agent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")), start_method="spawn",
+                 shutdown_timeout=5)
 
 
 def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from .train import worker_main
-
-    # The elastic agent logs every rendezvous step, and each failure again; workers print their own errors.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The elastic agent logs every rendezvous step, and each failure again; the launcher says what happened.
+    # Its loggers set their own levels, so each is quietened by name once the agent's modules are imported.
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "terminating process" on every failure
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.workers,
-        run_id=f"abtrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # standalone: a free port on loopback, as torchrun --standalone
-        rdzv_configs={"timeout": int(cfg.timeout)},
-        max_restarts=cfg.max_restarts,  # the agent restarts every worker; they continue from the checkpoint
-        monitor_interval=0.5,
-        start_method="spawn",
-    )
+    # torch's temporary files (the agent's log directory, each worker's error file) go to a directory of this
+    # run's own, removed at the end whatever the outcome.
+    _remove_orphaned_tmp()
+    tmp = tempfile.mkdtemp(prefix=f"abtrain-{os.getpid()}-")
+    board = os.path.join(tmp, "steps")
+    saved: dict[str, Any] = {"tempdir": tempfile.tempdir, "TMPDIR": os.environ.get("TMPDIR"),
+                             "handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}}
+    tempfile.tempdir = tmp
+    os.environ["TMPDIR"] = tmp
     try:
-        elastic_launch(config, worker_main)(cfg.to_dict(), run_dir, resume)
-    except ChildFailedError as exc:
-        status = read_status(run_dir) or {}
-        if status.get("status") == "failed" and status.get("error"):
-            raise ValueError(status["error"]) from None
-        first = next(iter(exc.failures.values()))
-        write_status(run_dir, "failed", error=f"worker {first.local_rank} failed with exit code {first.exitcode}")
-        raise RuntimeError(f"worker {first.local_rank} failed with exit code {first.exitcode}; "
-                           f"its messages are above") from None
+        agent = _make_agent(cfg, run_dir, resume, tmp, board)
+        for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        result = agent.run()
+        if result.is_failed():
+            _failed(result.failures, run_dir, board)
+    except SignalException as exc:
+        return _interrupted(run_dir, board, cfg.workers, signal_name(int(exc.sigval)))
+    except KeyboardInterrupt:
+        return _interrupted(run_dir, board, cfg.workers, "SIGINT")
+    finally:
+        tempfile.tempdir = saved["tempdir"]
+        if saved["TMPDIR"] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved["TMPDIR"]
+        for sig, handler in saved["handlers"].items():  # the agent installs its own and leaves them
+            signal.signal(sig, handler)
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _failed(failures: dict[int, Any], run_dir: str, board: str) -> None:
+    """Say why the run failed, in one line (a traceback only for a bug), and raise its exit code."""
+    line, code, _ = _describe(failures, run_dir, board)
+    status = read_status(run_dir) or {}
+    if code == EXIT_WORKER_DIED:
+        step, what = _kept(run_dir)
+        with contextlib.suppress(OSError):
+            write_status(run_dir, "failed", error=line, kind="worker-died", retry=True, exit_code=code,
+                         checkpoint=step)
+        line = f"{line}; {what}"
+    elif status.get("kind") == "internal" and status.get("traceback"):
+        print(status["traceback"].rstrip(), file=sys.stderr)  # a bug: the cause in full, once
+        line = f"worker {status.get('rank', '?')} failed: {line}"
+    raise RunFailed(line, code)
+
+
+def _remove_orphaned_tmp() -> None:
+    """Remove the private temporary directories of launchers that were killed (SIGKILL runs no cleanup)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(r"abtrain-(\d+)-\w+", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            pass  # alive (or another user's)
+
+
+def _interrupted(run_dir: str, board: str, world: int, sig: str) -> int:
+    """SIGINT / SIGTERM to the launcher: the workers are stopped; record it and say how to continue."""
+    step, what = _kept(run_dir)
+    reached = _reached(board, world)
+    with contextlib.suppress(OSError):
+        write_status(run_dir, "interrupted", signal=sig, step=reached, checkpoint=step,
+                     resume=f"abtrain train --resume {run_dir}" if step is not None else None)
+    print(f"abtrain: interrupted ({sig}){'' if reached is None else f' at step {reached}'}; {what}",
+          file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED

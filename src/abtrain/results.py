@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import json
 import logging
@@ -20,12 +21,54 @@ HISTORY_COLUMNS = ("step", "epoch", "test_accuracy", "test_loss", "test_perplexi
                    "wire_bytes", "global_wire_bytes", "wall_seconds", "lr", "phase")
 
 
+class NoSpaceError(OSError):
+    """The device holding a run's files is full (ENOSPC) or its quota is used up (EDQUOT)."""
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """True when ``exc`` or an exception it was raised from is ENOSPC / EDQUOT (torch.save wraps the
+    OSError of a full disk in a RuntimeError of its zip writer)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, NoSpaceError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read it by setting it (once, at import)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give; mkstemp creates 0600
+
+
 def atomic_write(path: str, data: str | Callable[[BinaryIO], None]) -> None:
     """Write ``data`` (text, or a function writing to a binary file) to ``path`` through a
-    temporary file in the same directory, fsync and a rename: readers never see half a file."""
+    temporary file in the same directory, fsync and a rename: readers never see half a file.
+
+    The file gets the mode the user's umask gives new files. A full disk raises
+    :class:`NoSpaceError` and leaves ``path`` as it was.
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    except OSError as exc:
+        if is_no_space(exc):
+            raise NoSpaceError(f"no space left on device while writing {path}") from None
+        raise
+    try:
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as fh:
             if isinstance(data, str):
                 fh.write(data)
@@ -34,9 +77,11 @@ def atomic_write(path: str, data: str | Callable[[BinaryIO], None]) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if is_no_space(exc):
+            raise NoSpaceError(f"no space left on device while writing {path}") from None
         raise
 
 

@@ -44,6 +44,19 @@ def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"abtrain/attempt{restarts}", store)
 
 
+def resolve_backend(backend: str = "auto", device: str = "auto") -> tuple[str, bool]:
+    """``(backend, use_cuda)`` for the asked ``--backend`` / ``--device``; ValueError when this machine cannot
+    provide them (the launcher calls this before starting any worker)."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("the nccl backend needs CUDA devices; use --backend gloo on CPU")
+    return backend, use_cuda
+
+
 @dataclass
 class Topology:
     """Where this worker sits: rank, world size, its group, device and backend.
@@ -126,13 +139,7 @@ class Topology:
         world = _env_int("WORLD_SIZE", 1)
         local_rank = _env_int("LOCAL_RANK", 0)
         local_world = _env_int("LOCAL_WORLD_SIZE", world)
-        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
-        if backend == "auto":
-            backend = "nccl" if use_cuda else "gloo"
-        if backend == "nccl" and not use_cuda:
-            raise ValueError("the nccl backend needs CUDA devices; use --backend gloo on CPU")
+        backend, use_cuda = resolve_backend(backend, device)
         dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(dev)

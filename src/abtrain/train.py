@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
+import json
+import shutil
 import time
-import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,17 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
-from .comm import CollectiveError, Communicator, Ledger
+from .comm import Communicator, Ledger
 from .config import SECTIONS, TrainConfig
 from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
 from . import lowrank
-from .lowrank import SVDError
 from .methods import METHODS, build_method
 from .methods.ab import Schedule, check_topology
 from .models import build_model, count_parameters
-from .results import (TensorBoard, human_bytes, peak_rss_bytes, read_status, summary_table, write_json,
+from .progress import Progress, eval_line
+from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, summary_table, write_json,
                       write_metrics_csv, write_status)
-from .topology import Topology
+from .topology import Topology, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
 
 def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
     """Every check that can fail on user input, before any worker starts."""
+    resolve_backend(cfg.backend, cfg.device)
     ds = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, block_size=cfg.block_size,
                       limit_train=cfg.limit_train, limit_test=cfg.limit_test)
     shard = len(ds.train) // world_size
@@ -95,46 +97,9 @@ def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
     return ds
 
 
-class Progress:
-    """Rank 0's progress: a bar on a terminal, plain periodic lines otherwise."""
-
-    def __init__(self, enabled: bool, total: int, every: int | None, initial: int = 0) -> None:
-        self.enabled = enabled
-        self.total = total
-        self.initial = initial  # steps already done by a run this one continues
-        self.every = every or max(1, total // 20)
-        self.bar = None
-        self.start = time.perf_counter()
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def step(self, step: int, info: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        text = (f"phase {info['phase']} loss {info['loss']:.4f} "
-                f"wire {human_bytes(info['wire'])} (global {human_bytes(info['global'])})")
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix_str(text, refresh=False)
-        elif step % self.every == 0 or step == self.total:
-            elapsed = time.perf_counter() - self.start
-            rate = (step - self.initial) / max(elapsed, 1e-9)
-            eta = (self.total - step) / max(rate, 1e-9)
-            print(f"step {step}/{self.total} ({100 * step / self.total:.0f}%) {text} "
-                  f"{rate:.1f} steps/s eta {eta:.0f}s", flush=True)
-
-    def message(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+#: A checkpoint is "good" when the training loss since the previous one is finite and at most this many
+#: times the smaller of the best earlier checkpoint's loss and the loss of guessing (ln of the classes).
+DIVERGENCE_FACTOR = 3.0
 
 
 class _Stopped(Exception):
@@ -175,6 +140,11 @@ class Trainer:
         self.wall = 0.0
         self.eval_due = False  # an evaluation fell due and waits for the workers to agree on one model
         self.last_checkpoint: int | None = None
+        self._interval_loss = [0.0, 0]  # this worker's training loss since the last checkpoint
+        self.best_loss: float | None = None  # training loss of the best good checkpoint so far
+        self.resumes: list[dict[str, Any]] = []  # resumes that changed --lr / --grad-clip, with the step
+        self.on_step: Callable[[int], None] | None = None  # called after every optimizer step
+        self.saved_config = self._read_saved_config() if self.is_main else None
         if cfg.stop_after is not None and cfg.stop_after >= self.total_steps:
             raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {self.total_steps} steps")
         if resume:
@@ -206,10 +176,11 @@ class Trainer:
         self.step += 1
         value = loss.detach().item()
         if not math.isfinite(value):
-            raise FloatingPointError(f"the training loss became {value} at step {self.step}; lower --lr or set "
-                                     f"--grad-clip{self._kept()}")
+            raise FloatingPointError(f"the training loss became {value} at step {self.step}{self._advice()}")
         self._train_loss_sum += value
         self._train_loss_count += 1
+        self._interval_loss[0] += value
+        self._interval_loss[1] += 1
         self.method.observe_loss(value)
         return value
 
@@ -272,7 +243,7 @@ class Trainer:
         def evaluate() -> None:
             self.wall = time.perf_counter() - start
             row = self.evaluate()
-            progress.message(_eval_line(row))
+            progress.message(eval_line(row))
             if tb is not None:
                 tb.add(row)
 
@@ -288,6 +259,8 @@ class Trainer:
                     order = shard_indices(len(self.dataset.train), self.topo.rank, self.topo.world_size, epoch, cfg.seed)
                     for x, y in batches(self.dataset.train, order[done * cfg.batch_size:], cfg.batch_size):
                         loss = self.train_step(x, y)
+                        if self.on_step is not None:
+                            self.on_step(self.step)
                         progress.step(self.step, {"phase": self.method.phase, "loss": loss,
                                                   "wire": self.ledger.wire_total, "global": self.ledger.global_wire_total})
                         self.eval_due = self.eval_due or self.step % eval_every == 0
@@ -348,7 +321,14 @@ class Trainer:
             "train_loss": [self._train_loss_sum, self._train_loss_count],
             "eval_due": self.eval_due,
             "wall_seconds": self.wall,
+            "guard": {"interval_loss": list(self._interval_loss), "best_loss": self.best_loss},
+            "settings": self.settings(),
+            "resumes": self.resumes,
         }
+
+    def settings(self) -> dict[str, Any]:
+        """The options a resume may change after a divergence, as this worker trains with them."""
+        return {"lr": self.cfg.lr, "grad_clip": self.cfg.grad_clip}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         meta = state.get("meta", {})
@@ -376,6 +356,24 @@ class Trainer:
         self._train_loss_sum, self._train_loss_count = state["train_loss"]
         self.eval_due = state["eval_due"]
         self.wall = state["wall_seconds"]
+        guard = state.get("guard") or {}
+        self._interval_loss = list(guard.get("interval_loss", [0.0, 0]))
+        self.best_loss = guard.get("best_loss")
+        self.resumes = list(state.get("resumes", []))
+        before = state.get("settings") or {"lr": self.scheduler.base_lrs[0], "grad_clip": self.cfg.grad_clip}
+        changed = {k: v for k, v in self.settings().items() if before.get(k) != v}
+        if changed:
+            self._apply_lr()
+            self.resumes.append({"step": self.step, **changed,
+                                 "before": {k: before.get(k) for k in changed}})
+
+    def _apply_lr(self) -> None:
+        """Put ``cfg.lr`` into the restored schedule: the same warm-up and decay, another peak."""
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.cfg.lr
+            group["lr"] = self.cfg.lr * factor
 
     def load_checkpoint(self) -> None:
         """Load this worker's shard of the run directory's last complete checkpoint."""
@@ -401,24 +399,81 @@ class Trainer:
                 return name
         return None
 
+    def _read_saved_config(self) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(self.run_dir, "config.json")) as fh:
+                saved = json.load(fh)
+        except (OSError, ValueError):
+            return None
+        return saved if isinstance(saved, dict) else None
+
+    def _good(self) -> tuple[int, float | None] | None:
+        """Step and training loss of the run's last good checkpoint (the one the manifest names)."""
+        try:
+            manifest = ckpt.read_manifest(self.run_dir)
+        except ValueError:
+            return None
+        return None if manifest is None else (manifest["step"], manifest.get("train_loss"))
+
     def _kept(self) -> str:
-        if self.last_checkpoint is None:
+        good = self._good()
+        if good is None:
             return ""
-        return f" (the last good checkpoint, of step {self.last_checkpoint}, is kept in {ckpt.checkpoint_root(self.run_dir)})"
+        return f" (the last good checkpoint, of step {good[0]}, is kept in {ckpt.checkpoint_root(self.run_dir)})"
+
+    def _advice(self) -> str:
+        """How to continue after a divergence: resume the last good checkpoint with a lower LR or a clip."""
+        good = self._good()
+        if good is None:
+            return "; lower --lr or set --grad-clip"
+        loss = f" (training loss {good[1]:.4g})" if isinstance(good[1], float) else ""
+        return (f"; the last good checkpoint, of step {good[0]}{loss}, is kept: continue with a lower learning "
+                f"rate, 'abtrain train --resume {self.run_dir} --lr {self.cfg.lr / 10:g}', or with --grad-clip")
+
+    def _judge(self) -> tuple[bool, float | None]:
+        """Is this checkpoint good? Rank 0's training loss since the previous checkpoint against the limit."""
+        total, count = self._interval_loss
+        if not count:
+            return True, None
+        loss = total / count
+        guess = math.log(max(2, self.dataset.num_classes))
+        reference = guess if self.best_loss is None else min(self.best_loss, guess)
+        return loss <= DIVERGENCE_FACTOR * reference, loss
 
     def save_checkpoint(self) -> None:
         """Write this worker's shard; rank 0 declares the checkpoint complete once every worker has written."""
         bad = self._non_finite()
         if bad is not None:
             raise FloatingPointError(f"{bad} holds inf or nan after step {self.step}; no checkpoint written"
-                                     f"{self._kept()}; lower --lr or set --grad-clip")
+                                     f"{self._advice()}")
+        good, loss = self._judge()
+        if good and loss is not None:
+            self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
+        self._interval_loss = [0.0, 0]
         directory = ckpt.step_dir(self.run_dir, self.step)
-        ckpt.save_shard(os.path.join(directory, ckpt.shard_name(self.topo.rank)), self.state_dict())
-        # A plain barrier (no data, not in the ledger): the manifest may only name shards that exist.
-        self.comm.barrier(self.topo.world)
-        if self.is_main:
-            ckpt.write_manifest(self.run_dir, self.step, self.topo.world_size,
-                                {k: v for k, v in self._meta().items() if k != "params"})
+        try:
+            ckpt.save_shard(os.path.join(directory, ckpt.shard_name(self.topo.rank)), self.state_dict())
+            # A plain barrier (no data, not in the ledger): the manifest may only name shards that exist.
+            self.comm.barrier(self.topo.world)
+            if self.is_main and good:
+                ckpt.write_manifest(self.run_dir, self.step, self.topo.world_size,
+                                    {**{k: v for k, v in self._meta().items() if k != "params"},
+                                     "config": self.saved_config, "settings": self.settings(), "train_loss": loss})
+        except (OSError, RuntimeError) as exc:
+            if not is_no_space(exc):
+                raise
+            shutil.rmtree(directory, ignore_errors=True)  # never named by the manifest: free the space
+            previous = self._good()
+            raise NoSpaceError(f"no space left on device while writing the checkpoint of step {self.step} in "
+                               f"{ckpt.checkpoint_root(self.run_dir)}; " + (
+                                   f"the checkpoint of step {previous[0]} is intact" if previous
+                                   else "no earlier checkpoint exists")) from None
+        if self.is_main and not good:
+            shutil.rmtree(directory, ignore_errors=True)
+            previous = self._good()
+            print(f"abtrain: warning: training loss {loss:.4g} since the previous checkpoint is far above the "
+                  f"run's best; the checkpoint of step {self.step} is not kept as good"
+                  + (f" (the last good one is of step {previous[0]})" if previous else ""), flush=True)
         self.last_checkpoint = self.step
 
     def finish(self, tb: TensorBoard | None) -> dict[str, Any] | None:
@@ -449,6 +504,7 @@ class Trainer:
             "peak_rss_bytes": int(rss.item()),
             "comm": comm,
             **self.method.extra_results(),
+            "resumes": self.resumes,
             "history": self.history,
             "config": self.cfg.to_dict(),
             "torch_version": torch.__version__,
@@ -456,95 +512,21 @@ class Trainer:
         bad = self._non_finite()
         if bad is not None:
             raise FloatingPointError(f"{bad} holds inf or nan at the end of training{self._kept()}")
-        ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.model.state_dict())
-        write_metrics_csv(os.path.join(self.run_dir, "metrics.csv"), self.history)
-        write_json(os.path.join(self.run_dir, "results.json"), results)
+        try:
+            ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.model.state_dict())
+            write_metrics_csv(os.path.join(self.run_dir, "metrics.csv"), self.history)
+            write_json(os.path.join(self.run_dir, "results.json"), results)
+        except (OSError, RuntimeError) as exc:
+            if not is_no_space(exc):
+                raise
+            previous = self._good()
+            raise NoSpaceError(f"no space left on device while writing the results in {self.run_dir}; "
+                                   + (f"the checkpoint of step {previous[0]} is intact: free space and continue with "
+                                      f"'abtrain train --resume {self.run_dir}'" if previous else
+                                      "no checkpoint exists")) from None
         write_status(self.run_dir, "complete")
         print(summary_table(results, self.run_dir), flush=True)
         return results
 
     def close(self) -> None:
         self.topo.close()
-
-
-def _eval_line(row: dict[str, Any]) -> str:
-    text = (f"eval step {row['step']} epoch {row['epoch']:.2f}: test accuracy {100 * row['test_accuracy']:.2f} % "
-            f"test loss {row['test_loss']:.4f}")
-    if row["test_perplexity"] is not None:
-        text += f" perplexity {row['test_perplexity']:.2f}"
-    if row["train_loss"] is not None:
-        text += f" train loss {row['train_loss']:.4f}"
-    return text + f" wire {human_bytes(row['wire_bytes'])}"
-
-
-def restart_count() -> int:
-    """How often torch's elastic agent has restarted this worker group (0 on the first start)."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    except ValueError:
-        return 0
-
-
-def _fail(run_dir: str, error: str, retry: bool) -> None:
-    """Mark the run failed, unless another worker already recorded this attempt's first failure."""
-    status = read_status(run_dir) or {}
-    if status.get("status") != "failed" or status.get("attempt") != restart_count():
-        write_status(run_dir, "failed", error=error, retry=retry, attempt=restart_count())
-
-
-def _show_decisions() -> None:
-    """Rank 0 prints abtrain's INFO lines (AB-training's per-layer decisions at each decomposition)."""
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("abtrain: %(message)s"))
-    logger = logging.getLogger("abtrain")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    logger.propagate = False
-
-
-def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, report: bool = False) -> None:
-    """Entry point of one worker process (local launcher, torchrun or srun).
-
-    After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) the worker
-    continues from the run directory's checkpoint when there is one. Errors a
-    user can act on end the worker with exit code 2 and one line in
-    status.json (and on stderr when ``report``: no launcher above prints it).
-    """
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = TrainConfig.from_dict(cfg_dict)
-    restarts = restart_count()
-    if restarts:
-        status = read_status(run_dir) or {}
-        if os.path.exists(os.path.join(run_dir, "results.json")):
-            return  # the run completed before the restart
-        if status.get("status") == "failed" and status.get("retry") is False:
-            raise SystemExit(2)  # the same input fails the same way again: do not redo the work
-    topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=cfg.group_size,
-                             timeout_s=cfg.timeout)
-    if topo.rank == 0:
-        _show_decisions()
-    try:
-        resume = resume or (restarts > 0 and ckpt.read_manifest(run_dir) is not None)
-        trainer = Trainer(cfg, topo, run_dir, resume=resume)
-        if topo.rank == 0 and (resume or restarts):
-            write_status(run_dir, "running", world_size=topo.world_size, restarts=restarts, resumed_from=trainer.step)
-        trainer.run()
-        trainer.comm.barrier(topo.world)  # leave together: no worker tears down while a peer still talks
-    except (ValueError, FloatingPointError, SVDError, CollectiveError) as exc:
-        # One line: wrong input, diverging training, an undecomposable layer, a peer that stopped answering.
-        if report:
-            print(f"abtrain: error: worker {topo.rank}: {exc}", file=sys.stderr, flush=True)
-        _fail(run_dir, str(exc), retry=isinstance(exc, CollectiveError))
-        raise SystemExit(1 if isinstance(exc, CollectiveError) else 2) from None
-    except Exception as exc:
-        status = read_status(run_dir) or {}
-        if status.get("status") == "failed" and status.get("attempt") == restarts:
-            # Another worker failed first and said why; this one only lost its peer.
-            raise SystemExit(1) from None
-        # Print the traceback here: the launcher keeps its own logging quiet.
-        traceback.print_exc()
-        _fail(run_dir, f"{type(exc).__name__}: {exc}", retry=True)
-        raise SystemExit(1) from None
-    finally:
-        trainer = None  # drop the model (DDP holds the process group) before the groups go
-        topo.close()

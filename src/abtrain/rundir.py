@@ -1,0 +1,172 @@
+"""Who owns a run directory, how far its workers got, and what its status really is.
+
+- :class:`RunLock`: an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held by
+  the launcher (or rank 0 under torchrun/srun) for the whole run. The kernel
+  releases it when the owner dies, whatever the cause, so a lock that can be
+  taken means nobody is writing the directory.
+- :class:`StepBoard`: one 8-byte slot per worker in a run-private file, the
+  number of optimizer steps each worker has completed. The launcher reads it to
+  say at which step a worker died.
+- :func:`run_status`: ``status.json``, with a ``running`` that no live process
+  owns reported as ``interrupted`` (the launcher was killed with SIGKILL).
+
+Exit codes of ``abtrain train`` are defined here, once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import signal
+import struct
+from typing import Any
+
+from .results import read_status
+
+#: Exit codes of ``abtrain train`` (README and docs/reliability.md list them).
+EXIT_OK = 0
+EXIT_FAILED = 1  # training failed: divergence, a peer that stopped answering, an unexpected error
+EXIT_INPUT = 2  # bad input: flags, config files, data, checkpoints, a run directory in use
+EXIT_WORKER_DIED = 3  # a worker process died (killed by a signal or exited without a word), no restart left
+EXIT_NO_SPACE = 4  # no space left on device (or quota) while writing a checkpoint or results
+EXIT_INTERRUPTED = 130  # SIGINT / SIGTERM to the launcher; resumable with --resume
+
+LOCK_NAME = ".lock"
+
+
+class RunFailed(Exception):
+    """The run ended without completing; ``code`` is the exit code of ``abtrain train``."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RunDirInUse(ValueError):
+    """Another live abtrain process holds the run directory's lock."""
+
+
+class RunLock:
+    """Exclusive ownership of a run directory, released by the kernel when the owner dies."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        """Take the lock or raise :class:`RunDirInUse` naming the owner's pid."""
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise ValueError(f"cannot write to run directory {self.run_dir}: {exc.strerror}; pass --out with a "
+                             f"writable directory") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            owner = _read_owner(self.path)
+            raise RunDirInUse(f"run directory {self.run_dir} is in use by another abtrain process"
+                              f"{f' (pid {owner})' if owner else ''}; wait for it to end, stop it, "
+                              f"or pass another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _read_owner(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return text if text.isdigit() else None
+
+
+def is_locked(run_dir: str) -> bool:
+    """True when a live process holds ``run_dir``'s lock (probes without keeping it)."""
+    path = os.path.join(run_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def run_status(run_dir: str) -> dict[str, Any] | None:
+    """``status.json``; a ``running`` status whose owner is gone reads as ``interrupted``."""
+    status = read_status(run_dir)
+    if status is not None and status.get("status") == "running" and not is_locked(run_dir):
+        status = {**status, "status": "interrupted",
+                  "reason": "the process that ran it is gone (killed, or its machine stopped)"}
+    return status
+
+
+class StepBoard:
+    """Completed optimizer steps per worker in a small shared file (one pwrite per step, no fsync)."""
+
+    SLOT = struct.Struct("<q")
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.offset = rank * self.SLOT.size
+
+    def set(self, step: int) -> None:
+        os.pwrite(self.fd, self.SLOT.pack(step), self.offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    @classmethod
+    def read(cls, path: str, rank: int) -> int | None:
+        """Worker ``rank``'s last completed step, None when it never reported one."""
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(rank * cls.SLOT.size)
+                data = fh.read(cls.SLOT.size)
+        except OSError:
+            return None
+        if len(data) != cls.SLOT.size:
+            return None
+        return cls.SLOT.unpack(data)[0]
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies (a SIGKILLed launcher
+    must not leave workers training into a directory whose lock is free)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
