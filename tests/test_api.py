@@ -58,6 +58,8 @@ def test_attach_is_a_plain_call_until_detach(name):
     with pytest.raises(ValueError, match="already attached"):
         method.attach(opt)
     _steps(model, opt, 3)
+    with method.consensus():  # every method answers it; a world of one always agrees afterwards
+        assert method.in_consensus()
     method.detach()
     assert not method.attached and len(calls) == 3
     _steps(model, opt, 2)  # no hooks any more
