@@ -215,3 +215,12 @@ def test_python_m_abtrain_and_default_run_dir():
     assert default_run_dir(cfg, {"TORCHELASTIC_RUN_ID": "f00d"}) == os.path.join("runs", "ab-cnn-fashion-mnist-f00d")
     assert default_run_dir(cfg, {"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0"}) \
         == os.path.join("runs", "ab-cnn-fashion-mnist-42.0")
+    # torchrun's default --rdzv-id: the first worker's time stamp, shared through the agent's store
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port)}
+    first = default_run_dir(cfg, env)
+    store.set("unrelated", "x")
+    assert default_run_dir(cfg, env) == first == os.path.join("runs", "ab-cnn-fashion-mnist-" + store.get(
+        "abtrain/run_dir_stamp").decode())
