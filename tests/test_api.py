@@ -126,6 +126,7 @@ def test_quiet_and_printed_once(capsys):
     out = capsys.readouterr().out
     assert out.count("AB-training schedule: warm-up 10 steps") == 1
     abtrain.setup("ab", total_steps=40, sync="only-b", quiet=True)
+    abtrain.setup("ab", sync="only-b", warmup_steps=4, cycle_steps=4, quiet=True)  # planned while built
     assert capsys.readouterr().out == ""
 
 

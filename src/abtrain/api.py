@@ -33,6 +33,8 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
     The returned method has ``.topo`` (rank, world, device), ``.comm.ledger`` (every byte
     sent), ``attach``/``detach``, ``consensus``, ``export`` and ``close``.
     """
+    if method == "ab":  # AB-training may print while it is built (a schedule in absolute steps)
+        options = {**options, "quiet": quiet or bool(options.get("quiet", False))}
     try:
         chosen = group_size
         note = None
