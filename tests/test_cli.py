@@ -53,12 +53,13 @@ def test_ab_end_to_end_with_config_file(tmp_path, fashion_dir):
     out = tmp_path / "ab"
     cfg = tmp_path / "ab.toml"
     cfg.write_text('method = "ab"\nworkers = 4\ngroup-size = 2\nsteps = 100\n'
-                   '[ab]\nwarmup-steps = 2\ncycle-steps = 4\nrebound-steps = 1\nrank-fraction = 0.25\n')
+                   '[ab]\nwarmup-steps = 2\ncycle-steps = 4\nrebound-steps = 1\nrank-fraction = 0.25\nquiet = true\n')
     p = run(["train", "--config", str(cfg), "--data-dir", str(fashion_dir), "--model", "cnn", "--out", str(out), *TINY,
              "--steps", "12"])  # the flag overrides the file's steps
     assert p.returncode == 0, p.stderr
     r = json.loads((out / "results.json").read_text())
     assert r["method"] == "ab" and r["steps"] == 12 and r["world_size"] == 4
+    assert "AB-training" not in p.stdout  # quiet: no schedule, no per-layer decisions
     assert set(r["comm"]["by_phase"]) >= {"warmup", "ab", "sync", "rebound"}
     assert r["comm"]["by_scope"]["group"]["wire_bytes"] > 0 and r["comm"]["by_scope"]["global"]["wire_bytes"] > 0
     assert r["compression_ratio"] > 1
