@@ -1,13 +1,16 @@
 """The CLI as a user types it: end-to-end runs on tiny data, bad input, config files, the flag surface."""
 
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from abtrain.cli import build_parser
 
@@ -50,12 +53,13 @@ def test_ab_end_to_end_with_config_file(tmp_path, fashion_dir):
     out = tmp_path / "ab"
     cfg = tmp_path / "ab.toml"
     cfg.write_text('method = "ab"\nworkers = 4\ngroup-size = 2\nsteps = 100\n'
-                   '[ab]\nwarmup-steps = 2\ncycle-steps = 4\nrebound-steps = 1\nrank-fraction = 0.25\n')
+                   '[ab]\nwarmup-steps = 2\ncycle-steps = 4\nrebound-steps = 1\nrank-fraction = 0.25\nquiet = true\n')
     p = run(["train", "--config", str(cfg), "--data-dir", str(fashion_dir), "--model", "cnn", "--out", str(out), *TINY,
              "--steps", "12"])  # the flag overrides the file's steps
     assert p.returncode == 0, p.stderr
     r = json.loads((out / "results.json").read_text())
     assert r["method"] == "ab" and r["steps"] == 12 and r["world_size"] == 4
+    assert "AB-training" not in p.stdout  # quiet: no schedule, no per-layer decisions
     assert set(r["comm"]["by_phase"]) >= {"warmup", "ab", "sync", "rebound"}
     assert r["comm"]["by_scope"]["group"]["wire_bytes"] > 0 and r["comm"]["by_scope"]["global"]["wire_bytes"] > 0
     assert r["compression_ratio"] > 1
@@ -73,7 +77,8 @@ BAD = [
     (["--batch-size", "4096"], "larger than each worker's shard"),
     (["--data-dir", "/nonexistent/fashion"], "not found"),
     (["--model", "gpt"], "gpt"),
-    (["--method", "ab"], "at least 2 groups"),
+    (["--method", "ab", "--group-size", "2"], "at least 2 groups of workers, got 1 (2 workers in groups of 2): pass e.g. --group-size 1"),
+    (["--method", "ab", "--workers", "1"], "world of one process: start it with --workers 2"),
     (["--method", "ab", "--group-size", "3", "--workers", "4"], "cannot be split into groups of 3"),
     (["--method", "ab", "--group-size", "1", "--ab-tau", "1.5"], "tau"),
     (["--method", "ab", "--group-size", "1", "--ab-rebound-steps", "10", "--ab-cycle-steps", "10"], "must be smaller"),
@@ -126,8 +131,12 @@ def test_example_runs_under_torchrun():
     assert p.returncode == 0, p.stderr[-3000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("test accuracy")]
     assert len(line) == 1
-    acc = float(line[0].split()[2].rstrip(";"))
-    assert acc > 0.6  # a learnable problem: the factorised model must still learn it
+    m = re.match(r"test accuracy ([\d.]+); plain Net from the exported weights ([\d.]+);", line[0])
+    assert float(m.group(1)) > 0.6  # a learnable problem: the factorised model must still learn it
+    assert m.group(1) == m.group(2)  # the exported weights in the plain class score the same
+    assert sum(ln.startswith("epoch ") for ln in p.stdout.splitlines()) == 8  # evaluated every epoch
+    assert p.stdout.count("AB-training schedule") == 1  # rank 0 only
+    assert "one node of 4 workers: 2 groups of 2" in p.stdout
 
 
 FLAGS = {
@@ -142,7 +151,7 @@ FLAGS = {
     "--ab-optimizer-state", "--ab-init", "--ab-full-rank", "--ab-final-rebound-steps",
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank", "--ab-sync-dtype",
-    "--ab-keep-output", "--no-ab-keep-output",
+    "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",
     "--powersgd-seed",
@@ -155,3 +164,64 @@ def test_public_flag_surface_is_frozen():
     assert flags == FLAGS
     for action in train._actions:
         assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_ab_run_dir_is_plain_versioned_and_repeatable(tmp_path, fashion_dir):
+    """AB on one node without --group-size; model.pt loads into the model class; TensorBoard; config.json as --config."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from abtrain import __version__
+    from abtrain.cli import config_from_args
+    from abtrain.data import load_dataset
+    from abtrain.models import build_model
+
+    out = tmp_path / "ab"
+    p = run(["train", "--method", "ab", "--workers", "2", "--data-dir", str(fashion_dir), "--model", "mlp",
+             "--out", str(out), "--eval-every", "3", "--ab-warmup-steps", "2", "--ab-cycle-steps", "3", *TINY,
+             "--steps", "8"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("one node of 2 workers: 2 groups of 1 (--group-size to choose)") == 1
+    r = json.loads((out / "results.json").read_text())
+    assert r["group_size"] == 1 and r["abtrain_version"] == __version__ and r["torch_version"]
+    # model.pt: the plain weights (W = A·B), loadable into the model class as built
+    state = torch.load(out / "model.pt")
+    assert not any("parametrizations" in k for k in state)
+    build_model("mlp", load_dataset("fashion-mnist", str(fashion_dir), limit_test=64)).load_state_dict(state)
+    # the history's LR is the one applied: AB's ramp after each phase switch starts at the floor
+    scheduled = 0.05 * 0.5 * (1 + math.cos(math.pi * 2 / 8))  # cosine at the third step (index 2) of 8
+    assert r["history"][0]["lr"] == pytest.approx(1e-5 + (scheduled - 1e-5) * 0.5)  # half-way up the ramp (R = 2)
+    # TensorBoard, read back
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"test_accuracy", "lr", "wire_bytes", "global_wire_bytes", "test_accuracy_vs_global_wire_kB"} <= tags
+    steps = [e.step for e in acc.Scalars("test_accuracy_vs_global_wire_kB")]
+    assert len(steps) == len(set(steps)) == len(r["history"])  # kB keep the evaluations of a small run apart
+    assert acc.Scalars("global_wire_bytes")[-1].value == pytest.approx(r["history"][-1]["global_wire_bytes"])
+    # the saved configuration is a --config file
+    ns = build_parser().parse_args(["train", "--config", str(out / "config.json")])
+    assert config_from_args(ns).to_dict() == r["config"]
+
+
+def test_python_m_abtrain_and_default_run_dir():
+    from abtrain import __version__
+    from abtrain.config import TrainConfig
+    from abtrain.train import default_run_dir
+
+    p = subprocess.run([sys.executable, "-m", "abtrain", "--version"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == f"abtrain {__version__}"
+    assert (ROOT / "src" / "abtrain" / "py.typed").exists()
+    cfg = TrainConfig(method="ab")
+    assert default_run_dir(cfg, {"TORCHELASTIC_RUN_ID": "f00d"}) == os.path.join("runs", "ab-cnn-fashion-mnist-f00d")
+    assert default_run_dir(cfg, {"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0"}) \
+        == os.path.join("runs", "ab-cnn-fashion-mnist-42.0")
+    # torchrun's default --rdzv-id: the first worker's time stamp, shared through the agent's store
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port)}
+    first = default_run_dir(cfg, env)
+    store.set("unrelated", "x")
+    assert default_run_dir(cfg, env) == first == os.path.join("runs", "ab-cnn-fashion-mnist-" + store.get(
+        "abtrain/run_dir_stamp").decode())

@@ -1,6 +1,6 @@
 """abtrain: communication-efficient distributed training (AB-training) on PyTorch, every byte counted."""
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .api import setup  # noqa: E402
 from .comm import Communicator, Ledger  # noqa: E402

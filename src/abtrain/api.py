@@ -2,26 +2,76 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from .comm import Communicator, Ledger
 from .methods import Method, build_method
-from .topology import Topology
+from .methods.ab import ABConfig, default_group_size
+from .topology import Topology, world_from_env
 
 
 def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int | None = None,
-          backend: str = "auto", device: str = "auto", timeout_s: float = 300.0, **options: Any) -> Method:
-    """Join the torch.distributed world of this process (torchrun's variables) and build ``method``.
+          backend: str = "auto", device: str = "auto", timeout_s: float = 300.0, quiet: bool = False,
+          **options: Any) -> Method:
+    """Join the torch.distributed world of this process and build ``method``.
+
+    The world is the default process group when the script already initialised
+    one (it stays the script's: ``method.close()`` leaves it alone), else the
+    one torchrun's variables describe (abtrain initialises it and ``close()``
+    destroys it). A single process without torchrun runs with communication skipped.
 
     ``total_steps``: the run's length in optimizer steps; AB-training's schedule
     is a fraction of it (or call ``method.plan(total_steps)`` later).
+    ``group_size``: workers per group (default: the workers of one node; for
+    AB-training on one node, the world split into 2 groups, said on rank 0).
+    ``quiet``: rank 0 prints nothing (the schedule and per-layer decisions
+    then go to the ``abtrain`` logger at INFO).
     ``options`` are the method's own (for ``ab``: the fields of
     :class:`abtrain.methods.ABConfig`, e.g. ``warmup_fraction=0.2, rank_fraction=0.25``).
     The returned method has ``.topo`` (rank, world, device), ``.comm.ledger`` (every byte
-    sent) and ``.close()``. A single process without torchrun runs with communication skipped.
+    sent), ``attach``/``detach``, ``consensus``, ``export`` and ``close``.
     """
-    topo = Topology.from_env(backend=backend, device=device, group_size=group_size, timeout_s=timeout_s)
-    built = build_method(method, Communicator(Ledger(), topo.device), topo, **options)
-    if total_steps is not None:
-        built.plan(total_steps)
+    if method == "ab":  # AB-training may print while it is built (a schedule in absolute steps)
+        options = {**options, "quiet": quiet or bool(options.get("quiet", False))}
+    try:
+        chosen = group_size
+        note = None
+        if method == "ab" and group_size is None:
+            cfg = ABConfig(**options)
+            world, local_world = world_from_env()
+            chosen = default_group_size(world, local_world, cfg)
+            if chosen != local_world and world % max(1, local_world) == 0:
+                note = (f"AB-training: one node of {world} workers: {world // chosen} groups of {chosen} "
+                        f"(set group_size= to choose)")
+        topo = Topology.from_env(backend=backend, device=device, group_size=chosen, timeout_s=timeout_s)
+        built = build_method(method, Communicator(Ledger(), topo.device), topo, **options)
+        built.verbose = built.verbose and not quiet
+        if note is not None:
+            built.say(note)
+        if total_steps is not None:
+            built.plan(total_steps)
+    except ValueError as exc:
+        raise ValueError(as_keywords(str(exc))) from None
     return built
+
+
+def as_keywords(message: str) -> str:
+    """A message written for the command line, with its flags named as this function's keyword arguments.
+
+    ``--ab-warmup-steps`` becomes ``warmup_steps``, ``--group-size 2``
+    becomes ``group_size=2``; one wording of every check serves both callers.
+    """
+    def keyword(m: re.Match[str]) -> str:
+        name = m.group(1)
+        name = name[3:] if name.startswith("ab-") else name
+        value = m.group(2)
+        return name.replace("-", "_") + (f"={value}" if value is not None else "")
+
+    # Only this function's own options: a message may also name a launcher's flag (torchrun --nproc-per-node).
+    message = re.sub(r"--no-ab-([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_") + "=False", message)
+    return re.sub(r"--(ab-[a-z0-9-]+|group-size|backend|device)(?: (\d+|'[^']*'))?", keyword, message)
+
+
+__all__ = ["as_keywords", "setup"]

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "local workers through torch's elastic launcher; under torchrun or srun, joins that world. "
                     "Writes RUN_DIR/results.json, metrics.csv, status.json, model.pt and checkpoints "
                     "(RUN_DIR/checkpoint); --resume RUN_DIR continues a run that stopped or crashed.")
-    train.add_argument("--config", metavar="FILE", help="TOML file with the same keys as these flags; flags override it")
+    train.add_argument("--config", metavar="FILE", help="TOML file with the same keys as these flags, or a run's "
+                       "config.json to repeat it (with another --out); flags override it")
     train.add_argument("--resume", metavar="RUN_DIR",
                        help="continue the run in RUN_DIR from its last checkpoint, with its saved configuration; "
                             "only " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OPTIONS + RESUME_SETTINGS)

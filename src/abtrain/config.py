@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -170,14 +171,28 @@ def ab_fields() -> list[dataclasses.Field]:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """Read a TOML file whose keys are the flags' names (dashes or underscores)."""
+    """Read a TOML file whose keys are the flags' names (dashes or underscores), or a JSON one.
+
+    JSON (a ``.json`` file) is what a run saves as ``RUN_DIR/config.json``, so
+    ``--config RUN_DIR/config.json`` repeats a run; its nulls mean "the default".
+    """
     if os.path.isdir(path):
         raise ValueError(f"config file {path} is a directory; pass a TOML file (--config FILE)")
     if not os.path.isfile(path):
         raise ValueError(f"config file {path} does not exist")
     try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+        if path.endswith(".json"):
+            try:
+                with open(path) as fh:
+                    raw = json.load(fh)
+            except ValueError as exc:
+                raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"config file {path} does not hold a table of options")
+            raw = _drop_nulls(raw)
+        else:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
@@ -203,6 +218,11 @@ def read_config_file(path: str) -> dict[str, Any]:
             out[_known(name, known, key, path)] = value
     out.update({s: options for s, options in sections.items() if options})
     return out
+
+
+def _drop_nulls(raw: dict[str, Any]) -> dict[str, Any]:
+    """JSON's nulls are the options left at their defaults (TOML has no null)."""
+    return {k: _drop_nulls(v) if isinstance(v, dict) else v for k, v in raw.items() if v is not None}
 
 
 def _known(name: str, known: set[str], key: str, path: str) -> str:

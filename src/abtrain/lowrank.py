@@ -46,6 +46,7 @@ __all__ = [
     "decompose",
     "decompose_all",
     "decompose_with",
+    "decision_lines",
     "describe",
     "format_ratio",
     "full_param_count",
@@ -53,6 +54,7 @@ __all__ = [
     "ortho_sigma_init",
     "output_weights",
     "pays",
+    "plain_state_dict",
     "prepare_model",
     "recompose",
     "reset_state",
@@ -674,15 +676,46 @@ def describe(records: Iterable[FactorizedParam]) -> list[dict[str, Any]]:
     return rows
 
 
-def log_decisions(records: Iterable[FactorizedParam], log: logging.Logger | None = None) -> None:
-    """Log one line per layer: its rank and parameter counts, or why it is full rank."""
-    log = log or logger
+def decision_lines(records: Iterable[FactorizedParam]) -> list[str]:
+    """One line per layer: its rank and parameter counts, or why it is full rank."""
+    lines = []
     for row in describe(records):
         m, n = row["matrix"]
         if row["mode"] == "lowrank":
-            log.info(
-                "%s %s as %dx%d: rank %d, %d -> %d params",
-                row["name"], row["shape"], m, n, row["rank"], row["params_full"], row["params_lowrank"],
-            )
+            lines.append(f"{row['name']} {row['shape']} as {m}x{n}: rank {row['rank']}, "
+                         f"{row['params_full']} -> {row['params_lowrank']} params")
         else:
-            log.info("%s %s as %dx%d: full rank: %s", row["name"], row["shape"], m, n, row["note"])
+            lines.append(f"{row['name']} {row['shape']} as {m}x{n}: full rank: {row['note']}")
+    return lines
+
+
+def log_decisions(records: Iterable[FactorizedParam], log: logging.Logger | None = None) -> None:
+    """Log :func:`decision_lines` at INFO."""
+    log = log or logger
+    for line in decision_lines(records):
+        log.info("%s", line)
+
+
+
+@torch.no_grad()
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every parametrized weight replaced by the weight its forward uses.
+
+    ``features.3.parametrizations.weight.original`` (and the factors ``...weight.0.A``,
+    ``...0.B``, the mode in ``..._extra_state``) become one ``features.3.weight``
+    holding W in full mode or ``(A @ B).reshape(shape)`` in low-rank mode: the
+    keys and shapes of the model before :func:`prepare_model`, so the result loads
+    into a freshly built instance of the user's model class.
+    """
+    out: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        if ".parametrizations." not in f".{key}":
+            out[key] = value
+            continue
+        owner, _, rest = f".{key}".rpartition(".parametrizations.")
+        pname, _, leaf = rest.partition(".")
+        if leaf != "original":
+            continue  # factors and modes: folded into the weight below
+        module = model.get_submodule(owner.lstrip("."))
+        out[f"{owner.lstrip('.')}.{pname}".lstrip(".")] = getattr(module, pname).detach().clone()
+    return out

@@ -131,7 +131,15 @@ def check_writable(run_dir: str) -> None:
 
 
 class TensorBoard:
-    """TensorBoard event files when the ``tensorboard`` package is installed; a no-op otherwise."""
+    """TensorBoard event files (``RUN_DIR/tensorboard``) when the ``tensorboard`` extra is installed; a no-op otherwise.
+
+    Scalars per evaluation, against the step: the test metrics, ``train_loss``,
+    ``lr`` (as applied), ``wire_bytes`` and ``global_wire_bytes`` (cumulative,
+    per worker). Accuracy against communication: ``test_accuracy_vs_wire_kB`` and
+    ``test_accuracy_vs_global_wire_kB``, whose x-axis (TensorBoard's integer
+    step) is cumulative kilobytes, fine enough that the evaluations of a short
+    run stay apart.
+    """
 
     def __init__(self, run_dir: str) -> None:
         self.writer = None
@@ -144,12 +152,15 @@ class TensorBoard:
     def add(self, row: dict[str, Any]) -> None:
         if self.writer is None:
             return
-        for key in ("test_accuracy", "test_loss", "test_perplexity", "train_loss", "lr"):
+        for key in ("test_accuracy", "test_loss", "test_perplexity", "train_loss", "lr",
+                    "wire_bytes", "global_wire_bytes"):
             value = row.get(key)
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, row["step"])
-        self.writer.add_scalar("wire_bytes", row["wire_bytes"], row["step"])
-        self.writer.add_scalar("test_accuracy_vs_wire_MB", row.get("test_accuracy") or 0.0, int(row["wire_bytes"] / 1e6))
+        accuracy = row.get("test_accuracy") or 0.0
+        self.writer.add_scalar("test_accuracy_vs_wire_kB", accuracy, round(row["wire_bytes"] / 1e3))
+        self.writer.add_scalar("test_accuracy_vs_global_wire_kB", accuracy, round(row["global_wire_bytes"] / 1e3))
+        self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:

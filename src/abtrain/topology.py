@@ -57,6 +57,15 @@ def resolve_backend(backend: str = "auto", device: str = "auto") -> tuple[str, b
     return backend, use_cuda
 
 
+def world_from_env() -> tuple[int, int]:
+    """(world size, workers on this node): the initialised default process group's, else torchrun's variables."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = _env_int("WORLD_SIZE", 1)
+    return world, _env_int("LOCAL_WORLD_SIZE", world)
+
+
 @dataclass
 class Topology:
     """Where this worker sits: rank, world size, its group, device and backend.
@@ -73,6 +82,8 @@ class Topology:
     group_size: int | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "gloo"
+    #: True when abtrain initialised the default process group (then :meth:`close` destroys it).
+    owns_world: bool = False
     _groups: dict[str, Group] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -130,15 +141,22 @@ class Topology:
     @classmethod
     def from_env(cls, backend: str = "auto", device: str = "auto", group_size: int | None = None,
                  timeout_s: float = 300.0) -> "Topology":
-        """Join the world described by torchrun's variables (RANK, WORLD_SIZE, ...).
+        """Join the world of this process.
 
-        Initialises the default process group when there is more than one
-        worker; a world of one runs without any process group.
+        When the default process group is already initialised (the user's script
+        called ``init_process_group``), its rank, size and backend are used and
+        it stays the user's. Otherwise the world described by torchrun's
+        variables (RANK, WORLD_SIZE, ...) is joined by initialising the default
+        process group when there is more than one worker; a world of one runs
+        without any process group.
         """
-        rank = _env_int("RANK", 0)
-        world = _env_int("WORLD_SIZE", 1)
-        local_rank = _env_int("LOCAL_RANK", 0)
-        local_world = _env_int("LOCAL_WORLD_SIZE", world)
+        joined = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if joined else _env_int("RANK", 0)
+        world, local_world = world_from_env()
+        local_rank = _env_int("LOCAL_RANK", rank % max(1, local_world))
+        if joined and backend == "auto":
+            backend = str(dist.get_backend())
+            device = "cuda" if backend == "nccl" and device == "auto" else device
         backend, use_cuda = resolve_backend(backend, device)
         dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
         if use_cuda:
@@ -151,13 +169,17 @@ class Topology:
                 kwargs.update(store=store, rank=rank, world_size=world)
             dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
         topo = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                   group_size=group_size, device=dev, backend=backend)
+                   group_size=group_size, device=dev, backend=backend,
+                   owns_world=not joined and dist.is_available() and dist.is_initialized())
         # Subgroup creation is collective: build them now, on every rank, in one order.
         topo.world, topo.group
         return topo
 
     def close(self) -> None:
-        """Destroy the process groups, then free every object that still holds one.
+        """Destroy the process groups abtrain created, then free every object that still holds one.
+
+        The default process group is destroyed only when :meth:`from_env`
+        initialised it; a world the user's script set up stays usable.
 
         A process group kept alive by a reference cycle (DDP and its hooks) is
         otherwise destructed during interpreter shutdown, when gloo's worker
@@ -165,6 +187,11 @@ class Topology:
         called without an active exception") after a run that succeeded.
         """
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            if self.owns_world:
+                dist.destroy_process_group()
+            else:
+                for group in self._groups.values():
+                    if group.pg is not None and group.pg is not dist.group.WORLD:
+                        dist.destroy_process_group(group.pg)  # a subgroup abtrain made
         self._groups.clear()
         gc.collect()

@@ -21,7 +21,8 @@ from .config import SECTIONS, TrainConfig
 from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
 from . import lowrank
 from .methods import METHODS, build_method
-from .methods.ab import Schedule, check_topology
+from .methods.ab import Schedule, check_topology, default_group_size
+from ._version import __version__
 from .models import build_model, count_parameters
 from .progress import Progress, eval_line
 from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, summary_table, write_json,
@@ -41,9 +42,50 @@ def method_options(cfg: TrainConfig) -> dict[str, Any]:
     return options
 
 
-def default_run_dir(cfg: TrainConfig) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{cfg.method}-{cfg.model}-{cfg.dataset}-{stamp}")
+def launch_id(environ: dict[str, str] | None = None) -> str | None:
+    """An id every worker of this launch shares: torchrun's rendezvous id, else Slurm's job and step ids."""
+    env = os.environ if environ is None else environ
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":  # torchrun's default --rdzv-id is the string "none"
+        return run_id
+    if env.get("SLURM_JOB_ID"):
+        return env["SLURM_JOB_ID"] + (f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else "")
+    return None
+
+
+def default_run_dir(cfg: TrainConfig, environ: dict[str, str] | None = None) -> str:
+    """``runs/<method>-<model>-<dataset>-<id>``, the same on every worker of a launch.
+
+    The id is the launch's (:func:`launch_id`); without one, a time stamp, which
+    workers started by torchrun share through the elastic agent's store (each
+    computing its own could straddle a second, or differ between nodes).
+    """
+    env = os.environ if environ is None else environ
+    tag = launch_id(env)
+    if tag is None:
+        tag = time.strftime("%Y%m%d-%H%M%S")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR"):
+            import datetime
+
+            import torch.distributed as dist
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=cfg.timeout))
+            # The first worker to get here sets it; a restarted worker finds the same one.
+            tag = store.compare_set("abtrain/run_dir_stamp", "", tag).decode()
+    return os.path.join("runs", f"{cfg.method}-{cfg.model}-{cfg.dataset}-{tag}")
+
+
+def group_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
+    """The group size this run uses, and a line saying so when abtrain chose it for AB-training on one node."""
+    if cfg.group_size is not None:
+        return cfg.group_size, None
+    local = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
+    if cfg.method != "ab":
+        return local, None
+    g = default_group_size(world_size, local, cfg.ab)
+    if g == local:
+        return g, None
+    return g, f"AB-training: one node of {world_size} workers: {world_size // g} groups of {g} (--group-size to choose)"
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -86,7 +128,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
         raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {total} steps")
     if cfg.method not in METHODS:
         raise ValueError(f"unknown method {cfg.method!r}; choose one of: {', '.join(METHODS)}")
-    group_size = cfg.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    group_size, _ = group_layout(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if world_size % group_size:
         raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
                          f"choose a --group-size that divides the number of workers")
@@ -219,7 +261,8 @@ class Trainer:
             "wire_bytes": wire_sum / self.topo.world_size,
             "global_wire_bytes": global_sum / self.topo.world_size,
             "wall_seconds": self.wall,
-            "lr": self.scheduler.get_last_lr()[0],
+            # The LR the last step applied (AB's ramp included), not the scheduler's value for the next one.
+            "lr": self.method.last_lr if self.method.last_lr is not None else self.scheduler.get_last_lr()[0],
             "phase": self.method.phase,
         }
         self.history.append(row)
@@ -266,7 +309,7 @@ class Trainer:
                         self.eval_due = self.eval_due or self.step % eval_every == 0
                         # Evaluate a model every worker holds: methods whose workers drift apart
                         # (AB phases) defer the evaluation to their next point of agreement.
-                        if self.eval_due and self.step < self.total_steps and self.method.in_consensus():
+                        if self.eval_due and self.step < self.total_steps and self.method.ready_for_evaluation():
                             evaluate()
                             self.eval_due = False
                         if self.step >= self.total_steps:
@@ -507,13 +550,15 @@ class Trainer:
             "resumes": self.resumes,
             "history": self.history,
             "config": self.cfg.to_dict(),
+            "abtrain_version": __version__,
             "torch_version": torch.__version__,
         }
         bad = self._non_finite()
         if bad is not None:
             raise FloatingPointError(f"{bad} holds inf or nan at the end of training{self._kept()}")
         try:
-            ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.model.state_dict())
+            # Plain weights (W = A·B where low rank) that load into the model class; checkpoints keep the factors.
+            ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.method.export())
             write_metrics_csv(os.path.join(self.run_dir, "metrics.csv"), self.history)
             write_json(os.path.join(self.run_dir, "results.json"), results)
         except (OSError, RuntimeError) as exc:

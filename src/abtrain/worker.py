@@ -24,7 +24,7 @@ from .lowrank import SVDError
 from .results import NoSpaceError, read_status, write_status
 from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard, die_with_parent
 from .topology import Topology
-from .train import Trainer
+from .train import Trainer, group_layout
 
 #: What a worker's error means: (kind in status.json, exit code, whether a restart may help).
 #: "input" and "diverged" repeat the same way on a restart; a lost peer or an unexpected error may not.
@@ -77,16 +77,6 @@ def _fail(run_dir: str, error: str, kind: str, retry: bool, step: int | None, **
                          step=step, **extra)
 
 
-def _show_decisions() -> None:
-    """Rank 0 prints abtrain's INFO lines (AB-training's per-layer decisions at each decomposition)."""
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("abtrain: %(message)s"))
-    logger = logging.getLogger("abtrain")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    logger.propagate = False
-
-
 def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, report: bool = False,
                 board: str | None = None) -> None:
     """Entry point of one worker process (local launcher, torchrun or srun).
@@ -113,16 +103,18 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
             raise SystemExit(status.get("exit_code", EXIT_INPUT))  # the same failure again: do not redo the work
     trainer: Trainer | None = None
     steps: StepBoard | None = None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    group_size, note = group_layout(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     try:
-        topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=cfg.group_size,
+        topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=group_size,
                                  timeout_s=cfg.timeout)
     except ValueError as exc:  # the launcher's preflight checks the same; under torchrun this is the first look
         if report:
             print(f"abtrain: error: {exc}", file=sys.stderr, flush=True)
         _fail(run_dir, str(exc), "input", False, None, exit_code=EXIT_INPUT)
         raise SystemExit(EXIT_INPUT) from None
-    if topo.rank == 0:
-        _show_decisions()
+    if topo.rank == 0 and note is not None and not (cfg.method == "ab" and cfg.ab.quiet):
+        print(f"abtrain: {note}", flush=True)
     try:
         resume = resume or (restarts > 0 and ckpt.read_manifest(run_dir) is not None)
         trainer = Trainer(cfg, topo, run_dir, resume=resume)

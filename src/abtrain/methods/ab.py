@@ -83,6 +83,7 @@ class ABConfig:
     powersgd_rank: int = _opt(4, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     sync_dtype: str = _opt("fp32", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
     keep_output: bool = _opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
+    quiet: bool = _opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
     def __post_init__(self) -> None:
         check_types(self, "--ab-")
@@ -136,15 +137,39 @@ class ABConfig:
         return tuple(p.strip() for p in self.full_rank.split(",") if p.strip())
 
 
-def check_topology(cfg: ABConfig, world_size: int, group_size: int) -> None:
-    """The group layout AB-training needs; raises before any training starts."""
+def check_topology(cfg: ABConfig, world_size: int, group_size: int, cli: bool = True) -> None:
+    """The group layout AB-training needs; raises before any training starts.
+
+    ``cli`` words the fix as flags (``--group-size 2``), else as keyword arguments (``group_size=2``).
+    """
+    def opt(name: str, value: Any) -> str:
+        return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+
     if world_size % group_size:
         raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
-                         f"choose a --group-size that divides the number of workers")
+                         f"choose a {'--group-size' if cli else 'group_size='} that divides the number of workers")
+    if cfg.sync != "only-b" and world_size == 1:
+        start = "--workers 2 (or more)" if cli else "torchrun --nproc-per-node 2 (or more)"
+        raise ValueError(f"AB-training trains A and B in different groups of workers, so it needs at least 2; "
+                         f"this is a world of one process: start it with {start}, or use "
+                         f"{opt('ab_sync' if cli else 'sync', 'only-b')}")
     if cfg.sync != "only-b" and world_size // group_size < 2:
         raise ValueError(f"AB-training needs at least 2 groups of workers, got {world_size // group_size} "
-                         f"({world_size} workers in groups of {group_size}): pass e.g. --group-size {max(1, world_size // 2)}, "
-                         f"or --ab-sync only-b")
+                         f"({world_size} workers in groups of {group_size}): pass e.g. "
+                         f"{opt('group_size', max(1, world_size // 2))}, or {opt('ab_sync' if cli else 'sync', 'only-b')}")
+
+
+def default_group_size(world_size: int, local_world_size: int, cfg: ABConfig) -> int:
+    """The group size AB-training uses when none was chosen: one group per node, or 2 groups on one node.
+
+    On one node (all workers in one group) the world is split into the smallest
+    number of groups above one that divides it: 2 groups for an even world.
+    """
+    g = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
+    if cfg.sync == "only-b" or world_size < 2 or world_size // g >= 2:
+        return g
+    groups = next(k for k in range(2, world_size + 1) if world_size % k == 0)
+    return world_size // groups
 
 
 @dataclass(frozen=True)
@@ -216,7 +241,8 @@ class ABTraining(Method):
     def __init__(self, comm: Communicator, topo: Topology, config: ABConfig | None = None, **options: Any) -> None:
         super().__init__(comm, topo)
         self.cfg = config if config is not None else ABConfig(**options)
-        check_topology(self.cfg, topo.world_size, topo.group_size)
+        self.verbose = not self.cfg.quiet
+        check_topology(self.cfg, topo.world_size, topo.group_size, cli=config is not None)
         only_b = self.cfg.sync == "only-b"
         # only-b over "world": one group of all workers, low-rank DP on B every step. The ledger's
         # scopes still follow the physical groups (topo.world crosses them); only the reduction widens.
@@ -238,6 +264,9 @@ class ABTraining(Method):
         self.output_searched = False  # the first training forward looked for the output layer
         self._losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
         self._cut: tuple[int, float] | None = None  # (step, loss level) of the last truncation, while watched
+        self._said_lines: list[str] = []  # the per-layer decisions rank 0 printed last
+        self._agreed_at: int | None = None  # step at which consensus() last brought the workers together
+        self._optimizer: torch.optim.Optimizer | None = None  # the attached one (consensus() syncs its moments)
         self.ranks: list[dict[str, Any]] = []
         self.svd_seconds = 0.0
         self.sync_seconds = 0.0
@@ -249,6 +278,8 @@ class ABTraining(Method):
     def plan(self, total_steps: int | None) -> None:
         """Fix the schedule for a run of ``total_steps`` optimizer steps (None: absolute options only)."""
         self.schedule = Schedule.from_config(self.cfg, total_steps)
+        self.say(f"AB-training schedule: {self.schedule.describe()} ({self.topo.num_groups} groups of "
+                 f"{self.topo.group_size} workers)")
         if self.topo.rank == 0 and total_steps is not None:
             sched = self.schedule
             if sched.warmup >= total_steps:
@@ -275,9 +306,8 @@ class ABTraining(Method):
         if isinstance(model, DistributedDataParallel):
             # DDP would all-reduce every gradient over the world and fight the groups; its own hooks stay
             # idle when its forward is not called, so training the inner module is safe.
-            if self.topo.rank == 0:
-                log.warning("AB-training: the model was wrapped in DistributedDataParallel; training its .module "
-                            "(AB-training averages gradients itself: use the model prepare() returns)")
+            self.say("AB-training: the model was wrapped in DistributedDataParallel; training its .module "
+                     "(AB-training averages gradients itself: drop the DDP wrapper, use the model prepare() returns)")
             model = model.module
         self.records = lowrank.prepare_model(model, full_rank_patterns=self.cfg.patterns, min_rank=self.cfg.min_rank)
         if self.cfg.init == "ortho-sigma":
@@ -303,9 +333,10 @@ class ABTraining(Method):
         self.kept = [fp.name for fp in found]
         for fp in found:
             fp.param.note = "produces the model's output"
-        if found and self.topo.rank == 0:
-            log.warning("AB-training: keeping %s full rank: %s the model's output (--ab-no-keep-output to factorise it)",
-                        ", ".join(self.kept), "it produces" if len(found) == 1 else "they produce")
+        if found:
+            self.say(f"AB-training: keeping {', '.join(self.kept)} full rank: "
+                     f"{'it produces' if len(found) == 1 else 'they produce'} the model's output "
+                     f"(keep_output=False / --ab-no-keep-output factorises it)")
 
     def _stop_output_search(self) -> None:
         self.output_searched = True
@@ -320,6 +351,7 @@ class ABTraining(Method):
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """A warm-up of 0 steps: decompose before the first forward."""
         self._sched()
+        self._optimizer = optimizer
         if self.t == 0 and self.phase_at(0) == "ab" and not self.ranks:
             self._decompose(optimizer, truncate=self.cfg.truncate_first)
             self._switch_step = 0
@@ -424,9 +456,16 @@ class ABTraining(Method):
         if truncate and self._losses:
             self._cut = (self.t, sum(self._losses) / len(self._losses))
             self._losses.clear()
-        if self.topo.rank == 0:
-            log.info("decomposition at step %d (compression %s)", self.t, lowrank.format_ratio(self.ratio))
-            lowrank.log_decisions(self.records, log)
+        # The per-layer lines when they change (the first decomposition, a new rank); else one line.
+        head = f"AB-training: decomposition at step {self.t} (compression {lowrank.format_ratio(self.ratio)})"
+        lines = lowrank.decision_lines(self.records)
+        if lines == self._said_lines:
+            self.say(head + ", every layer as before")
+        else:
+            self.say(head)
+            for line in lines:
+                self.say("  " + line)
+            self._said_lines = lines
 
     def _full_rank_tensors(self) -> list[torch.Tensor]:
         """Parameters not represented by factors this phase (full-mode W, biases, norms, kept layers)."""
@@ -493,9 +532,38 @@ class ABTraining(Method):
 
     def in_consensus(self) -> bool:
         # Workers differ only while groups train apart: inside an AB phase after its first step.
-        if self.phase != "ab" or self.t == self._switch_step:
+        if self.phase != "ab" or self.t in (self._switch_step, self._agreed_at):
             return True
         return self.train_group is self.topo.world and not self.cfg.independent
+
+    @torch.no_grad()
+    def agree(self) -> None:
+        """Inside an AB phase: a sync now, then every layer factorised again at the rank it had.
+
+        The sync (the configured ``sync`` mode) leaves W = Ā·B̄ on every worker.
+        Training W inside the groups for the rest of the phase would be wrong, so
+        the layers that were low rank are split again at their current ranks and
+        the phase goes on: A-groups train A, B-groups train B, from one model.
+        Ā·B̄ has rank <= r, so that split is exact (with ``sync="full"`` the
+        averaged W is cut back to r, as at a scheduled truncation). The schedule
+        does not move: the next sync still falls at the next multiple of K, no
+        LR ramp starts, ranks are not re-chosen. Factor moments are kept as at
+        every re-decomposition (``optimizer_state``).
+        """
+        optimizer = self._optimizer
+        if optimizer is None:
+            raise ValueError("consensus() inside an AB phase needs the optimizer: call method.attach(opt) first")
+        ranks = {fp.name: fp.rank for fp in self.records if fp.mode == "lowrank"}
+        self._sync(optimizer)
+        low = [fp for fp in self.records if fp.name in ranks]
+        start = time.perf_counter()
+        with torch.profiler.record_function("abtrain::ab::decompose"):
+            trained = self._trained_role() if self.cfg.split == "sigma" else None
+            lowrank.decompose_all(low, [ranks[fp.name] for fp in low], [lowrank.svd(fp) for fp in low],
+                                  min_compression=None, split=self.cfg.split, trained=trained, optimizer=optimizer)
+            lowrank.set_trainable(self.records, self._trained_role())
+        self.svd_seconds += time.perf_counter() - start
+        self._agreed_at = self.t
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         """End inside an AB phase with a last sync, so that every worker holds the same full-rank model."""

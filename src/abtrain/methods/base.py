@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from .. import lowrank
 from ..comm import Communicator
 from ..topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 class Method:
@@ -21,10 +26,13 @@ class Method:
         method = build_method("ddp", comm, topo)
         model = method.prepare(model)          # wraps or rewrites the model
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with method.attach(opt):               # hooks the optimizer, removes them on exit
-            for x, y in data:
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(); loss.backward(); opt.step()
+        method.attach(opt)                     # hooks the optimizer (or: with method.attach(opt): ...)
+        for x, y in data:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+        with method.consensus():               # every worker holds the same model here
+            evaluate(model)
+        method.detach()                        # the final step (a last average or sync), hooks removed
 
     ``phase`` is the label the ledger puts on the traffic of the current step.
     """
@@ -35,6 +43,9 @@ class Method:
         self.comm = comm
         self.topo = topo
         self.module: nn.Module | None = None  # the user's (unwrapped) model
+        self._attached: tuple[torch.optim.Optimizer, list[Any]] | None = None  # the optimizer and its hooks
+        self.last_lrs: list[float] = []  # learning rates applied in the last step
+        self.verbose = True  # rank 0 prints what the method decides (see say())
 
     @property
     def phase(self) -> str:
@@ -47,19 +58,118 @@ class Method:
             self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()), self.topo.world, src=0)
         return model
 
-    @contextlib.contextmanager
-    def attach(self, optimizer: torch.optim.Optimizer) -> Iterator["Method"]:
-        """Hook the method into ``optimizer`` for the duration of the block; finalize on a normal exit."""
-        handles = [optimizer.register_step_pre_hook(lambda *_: self.before_step(optimizer)),
+    def attach(self, optimizer: torch.optim.Optimizer) -> "Attachment":
+        """Hook the method into ``optimizer`` until :meth:`detach`; also usable as ``with method.attach(opt):``.
+
+        A plain call keeps the loop as it is (no re-indenting); :meth:`detach`
+        (or leaving the ``with`` block without an exception) runs the method's
+        final step, which leaves every worker with one model.
+        """
+        if self._attached is not None:
+            raise ValueError("the method is already attached to an optimizer: call method.detach() first")
+        handles = [optimizer.register_step_pre_hook(lambda *_: self._pre_step(optimizer)),
                    optimizer.register_step_post_hook(lambda *_: self.after_step(optimizer))]
+        self._attached = (optimizer, handles)
         try:
             self.start(optimizer)
-            self.comm.ledger.phase = self.phase
-            yield self
-            self.finalize(optimizer)  # like accelerate's LocalSGD: leave every worker with one model
+        except BaseException:
+            self._unhook()
+            raise
+        self.comm.ledger.phase = self.phase
+        return Attachment(self)
+
+    def detach(self) -> None:
+        """Finalize (e.g. a last sync, so every worker holds one model) and remove the optimizer hooks.
+
+        Collective: every worker calls it. Does nothing when the method is not attached.
+        """
+        if self._attached is None:
+            return
+        try:
+            self.finalize(self._attached[0])
         finally:
-            for h in handles:
+            self._unhook()
+
+    def _unhook(self) -> None:
+        """Remove the optimizer hooks without finalizing (an exception left the loop)."""
+        if self._attached is not None:
+            for h in self._attached[1]:
                 h.remove()
+            self._attached = None
+
+    @property
+    def attached(self) -> bool:
+        return self._attached is not None
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.before_step(optimizer)
+        # What the optimizer uses in this step, after any change the method made (AB's LR ramp).
+        self.last_lrs = [g["lr"] for g in optimizer.param_groups]
+
+    @property
+    def last_lr(self) -> float | None:
+        """The learning rate of the first parameter group actually applied in the last optimizer step.
+
+        Methods may change ``param_group["lr"]`` during the step only (AB-training's
+        ramp after each phase switch) and restore the scheduled value afterwards,
+        so an LR logger reading the optimizer sees the schedule; this is what was used.
+        ``last_lrs`` holds every group's. None before the first step.
+        """
+        return self.last_lrs[0] if self.last_lrs else None
+
+    def lr_scale(self) -> float:
+        """Factor the method applies to the scheduled learning rate in the next step (1.0: none)."""
+        return 1.0
+
+    def consensus(self) -> contextlib.AbstractContextManager["Method"]:
+        """Bring every worker to the same model now (parameters and floating-point buffers).
+
+        ``with method.consensus(): evaluate(model)`` or a plain call. Collective:
+        every worker calls it at the same step. Where the workers already agree it
+        sends nothing (DDP-like methods average only BatchNorm statistics, which
+        DDP leaves per worker). Training continues afterwards as the method's own
+        schedule says (see each method's :meth:`agree`).
+        """
+        if not self.in_consensus():
+            with torch.profiler.record_function(f"abtrain::{self.name}::consensus"), \
+                    self.comm.ledger.in_phase("consensus"):
+                self.agree()
+        with self.comm.ledger.in_phase("consensus"):
+            self.sync_buffers()
+        return contextlib.nullcontext(self)
+
+    def agree(self) -> None:
+        """Make the workers' models equal between two steps (called by :meth:`consensus` when they differ)."""
+        raise NotImplementedError(f"method {self.name!r} cannot bring its workers to one model")
+
+    def ready_for_evaluation(self) -> bool:
+        """The trainer evaluates when this is True (default: when the workers agree)."""
+        return self.in_consensus()
+
+    def say(self, text: str) -> None:
+        """One line on rank 0's stdout (not with ``verbose=False``, then only as a log record)."""
+        if self.topo.rank != 0:
+            return
+        if self.verbose:
+            print(f"abtrain: {text}", flush=True)
+        else:
+            log.info("%s", text)
+
+    def export(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The model's weights as a plain state_dict that loads into the user's original model class.
+
+        Factorised weights are exported as the weight the forward pass uses
+        (W, or A·B reshaped); no parametrization keys, no ``module.`` prefix of a
+        DDP wrapper. Local: it sends nothing, so rank 0 alone may call it; call it
+        where the workers agree (after :meth:`detach` or inside :meth:`consensus`)
+        to export the model every worker holds.
+        """
+        target = model if model is not None else self.module
+        if target is None:
+            raise ValueError("nothing to export: call method.prepare(model) first, or pass the model")
+        if isinstance(target, DistributedDataParallel):
+            target = target.module
+        return lowrank.plain_state_dict(target)
 
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """Runs when :meth:`attach` begins, before the first step of the block."""
@@ -99,7 +209,15 @@ class Method:
         """Average this step's gradients now (before clipping); the step hook then skips it."""
 
     def close(self) -> None:
-        """Leave the torch.distributed world (destroys the process groups)."""
+        """Remove the optimizer hooks and release the process groups abtrain created.
+
+        A process group the user initialised before :func:`abtrain.setup` is left alone.
+        Does not finalize: call :meth:`detach` first to end with one model everywhere.
+        """
+        if self._attached is not None and not self.in_consensus() and self.topo.rank == 0:
+            log.warning("method closed while attached and the workers' models differ: call method.detach() "
+                        "before close() to end with one model on every worker")
+        self._unhook()
         self.topo.close()
 
     def extra_results(self) -> dict[str, Any]:
@@ -110,6 +228,28 @@ class Method:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class Attachment:
+    """What :meth:`Method.attach` returns: the method stays attached; as a ``with`` block it detaches on exit.
+
+    Leaving the block normally runs :meth:`Method.detach` (the final step);
+    leaving it by an exception only removes the hooks (a collective could hang
+    when other workers did not fail).
+    """
+
+    def __init__(self, method: Method) -> None:
+        self.method = method
+
+    def __enter__(self) -> Method:
+        return self.method
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.method.detach()
+        else:
+            self.method._unhook()
 
 
 class PeriodicMethod(Method):
@@ -151,6 +291,10 @@ class PeriodicMethod(Method):
 
     def in_consensus(self) -> bool:
         return self._last_meeting == self.t
+
+    def agree(self) -> None:
+        """An extra meeting now; the next ones stay at multiples of ``h``."""
+        self._meet()
 
     def sync_buffers(self) -> None:
         """Nothing to do at a meeting point: the meeting averaged the buffers too."""
