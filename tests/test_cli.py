@@ -142,7 +142,8 @@ FLAGS = {
     "--ab-optimizer-state", "--ab-init", "--ab-full-rank", "--ab-final-rebound-steps",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",
-    "--powersgd-seed",
+    "--powersgd-seed", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",
+    "--hlocalsgd-h",
 }
 
 
