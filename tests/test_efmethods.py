@@ -331,3 +331,15 @@ def test_bench_runs_the_new_methods(tmp_path):
     for m in ("ef21", "onebit", "hlocalsgd"):
         assert rows[m]["global_reduction_vs_ddp"] > 1, m
     assert set(report["projection"]["epoch_seconds"]) == set(rows)
+
+
+def test_available_from_setup_in_a_users_loop(monkeypatch):
+    import abtrain
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for name, options in (("ef21", {"fraction": 0.02}), ("onebit", {"chunk_size": 64}), ("hlocalsgd", {"h": 2})):
+        method = abtrain.setup(name, device="cpu", **options)
+        assert method.name == name and method.cfg == type(method.cfg)(**options)
+        _train(method, _model(), 3)
+        method.close()
