@@ -216,6 +216,17 @@ def _world(fashion_dir, root):
         method = build_method(name, comm, topo, **options)
         snapshots = _train(method, _model(), STEPS, clip=clip, seed=10 + topo.rank)  # each worker its own data
         out[case] = {"snapshots": snapshots, "summary": comm.ledger.summary(), "extra": method.extra_results()}
+    # Lossless settings (every element its own scale; k = every element) must give the exact mean.
+    for name, options in (("onebit", {"chunk_size": 1, "warmup_steps": 0}), ("ef21", {"fraction": 1.0, "warmup_steps": 0})):
+        comm = Communicator(Ledger(), topo.device)
+        method = build_method(name, comm, topo, **options)
+        method.prepare(_model())
+        errors = []
+        for step in range(3):
+            grad = torch.randn(sum(method.numels), generator=torch.Generator().manual_seed(100 * step + topo.rank))
+            mean = comm.all_reduce(grad.clone(), topo.world, average=True)
+            errors.append((method.exchange(grad) - mean).abs().max().item())
+        out[f"lossless-{name}"] = errors
     for name, (options, stop) in RESUME.items():
         states = []
         for label, kw, resume in (("ref", {}, False), ("stop", {"stop_after": stop}, False), ("stop", {}, True)):
@@ -243,6 +254,13 @@ def test_compressed_methods_keep_one_model_after_every_step(world, case):
             assert torch.equal(world[rank][case]["snapshots"][step], world[0][case]["snapshots"][step]), \
                 f"{case}: worker {rank} differs after step {step + 1}"
     assert not torch.equal(world[0][case]["snapshots"][0], world[0][case]["snapshots"][-1])  # it trained
+
+
+@pytest.mark.parametrize("name", ["onebit", "ef21"])
+def test_lossless_settings_give_the_exact_mean(world, name):
+    """onebit with one scale per element and ef21 with k = numel send everything: the routing must add up."""
+    for rank_out in world:
+        assert max(rank_out[f"lossless-{name}"]) < 1e-6
 
 
 @pytest.mark.parametrize("case", ["hlocalsgd", "hlocalsgd-clip"])
