@@ -113,8 +113,11 @@ class OneBit(GradientMethod):
                  **options: Any) -> None:
         self.cfg = config if config is not None else OneBitConfig(**options)
         super().__init__(comm, topo, self.cfg.warmup_steps)
-        self.worker_error = torch.zeros(0)
-        self.server_error = torch.zeros(0)
+        self.numel = 0  # N, the trainable parameters
+        self.slice = 0  # L, elements per slice (p * L >= N, L a multiple of 8)
+        self.segments = 0  # M, scales per slice
+        self.worker_error = torch.zeros(0)  # e_w, p * L elements
+        self.server_error = torch.zeros(0)  # e_s, this worker's slice
 
     def build(self, numel: int) -> None:
         p = self.topo.world.size
