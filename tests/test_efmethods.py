@@ -337,18 +337,17 @@ def test_bad_options_say_how_to_fix_them(args, message):
 
 
 # -- the bench ---------------------------------------------------------------------------------------------
-def test_bench_runs_the_new_methods(tmp_path):
+def test_bench_reports_the_all_to_all_of_onebit(tmp_path):
+    """The report and its projection read all_to_all rows (ef21 and hlocalsgd use collectives they knew)."""
     from abtrain.bench import BenchConfig, run_bench
     from abtrain.bench.projection import group_size_of
 
     assert group_size_of("all_to_all", 1000, wire_bytes("all_to_all", 1000, 4)) == 4
-    report = run_bench(BenchConfig(workload="tiny", methods=["ddp", "ef21", "onebit", "hlocalsgd"],
-                                   out=str(tmp_path / "bench")))
+    report = run_bench(BenchConfig(workload="tiny", methods=["ddp", "onebit"], out=str(tmp_path / "bench")))
     rows = {r["method"]: r for r in report["methods"]}
-    assert {m: r["status"] for m, r in rows.items()} == dict.fromkeys(rows, "complete")
-    for m in ("ef21", "onebit", "hlocalsgd"):
-        assert rows[m]["global_reduction_vs_ddp"] > 1, m
-    assert set(report["projection"]["epoch_seconds"]) == set(rows)
+    assert rows["ddp"]["status"] == rows["onebit"]["status"] == "complete"
+    assert rows["onebit"]["global_reduction_vs_ddp"] > 1
+    assert set(report["projection"]["epoch_seconds"]) == {"ddp", "onebit"}
 
 
 def test_available_from_setup_in_a_users_loop(monkeypatch):
