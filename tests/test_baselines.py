@@ -166,7 +166,7 @@ def test_phases_and_sync_counts(runs):
     assert runs[0]["diloco-h4"]["extra"]["diloco"]["outer_steps"] == 2
 
 
-@pytest.mark.parametrize("name", ["ddp-bf16", "powersgd", "localsgd", "diloco", "none"])
+@pytest.mark.parametrize("name", ["ddp-bf16", "powersgd", "localsgd", "diloco", "none", "ef21", "onebit", "hlocalsgd"])
 def test_single_process_is_the_same_code(name):
     """A world of one: no process group, nothing counted, training still runs."""
     torch.manual_seed(0)

@@ -154,7 +154,8 @@ FLAGS = {
     "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",
-    "--powersgd-seed",
+    "--powersgd-seed", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",
+    "--hlocalsgd-h",
 }
 
 

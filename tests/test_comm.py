@@ -13,6 +13,7 @@ def test_wire_formulas(p):
     assert wire_bytes("reduce_scatter", b, p) == pytest.approx((p - 1) / p * b)
     assert wire_bytes("broadcast", b, p) == pytest.approx((p - 1) / p * b)
     assert wire_bytes("all_gather", b, p) == pytest.approx((p - 1) * b)
+    assert wire_bytes("all_to_all", b, p) == pytest.approx((p - 1) / p * b)
 
 
 def test_single_worker_sends_nothing():

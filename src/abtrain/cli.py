@@ -82,7 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
             ("diloco", "DiLoCo (--method diloco)", "H inner steps of the chosen optimizer (AdamW recommended), "
                                                    "then an outer Nesterov step on the averaged pseudo-gradient"),
             ("powersgd", "PowerSGD (--method powersgd)", "torch's PowerSGD DDP hook: rank-r gradient compression "
-                                                         "with error feedback and warm start")):
+                                                         "with error feedback and warm start"),
+            ("ef21", "EF21 (--method ef21)", "error feedback (EF21) with a top-k compressor: k values and k indices "
+                                             "per worker and tensor, all-gathered every step"),
+            ("onebit", "1-bit (--method onebit)", "sign compression with worker and server error feedback and one "
+                                                  "scale per tensor or chunk, after a full-precision warm-up"),
+            ("hlocalsgd", "hierarchical local SGD (--method hlocalsgd)",
+             "gradients averaged inside each group every step; parameters, float buffers and optimizer moments "
+             "averaged over all workers every H steps")):
         group = train.add_argument_group(title, description)
         _add_config_flags(group, section_fields(section), SECTIONS[section](), prefix=section + "-")
     _add_bench_parser(sub)

@@ -16,6 +16,9 @@ reduce_scatter     (p-1)/p * b            ring: b is the full input tensor
 all_gather         (p-1) * b              ring: b is one worker's contribution
 broadcast          (p-1)/p * b            pipelined ring: the p-1 receivers' b,
                                           spread over p senders
+all_to_all         (p-1)/p * b            b is the full input tensor, split in p
+                                          equal chunks: chunk j goes to member j,
+                                          the worker's own chunk stays
 =================  =====================  =======================================
 
 With ``p == 1`` nothing leaves the worker: wire bytes are 0 (the collective is
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 SCOPES = ("global", "group")
 
 
@@ -45,7 +48,7 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (p - 1) / p * payload_bytes
-    if op in ("reduce_scatter", "broadcast"):
+    if op in ("reduce_scatter", "broadcast", "all_to_all"):
         return (p - 1) / p * payload_bytes
     if op == "all_gather":
         return float((p - 1) * payload_bytes)
@@ -289,6 +292,18 @@ class Communicator:
             dist.reduce_scatter_tensor(out, tensor.reshape(-1), group=group.pg)
         if average:
             out.div_(group.size)
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        """Send the j-th of ``group.size`` equal chunks of ``tensor`` to member j; return what each member sent
+        this worker, in group-rank order, as one tensor of the same shape."""
+        if group.size <= 1:
+            return tensor
+        if tensor.numel() % group.size:
+            raise ValueError(f"all_to_all needs numel divisible by {group.size}, got {tensor.numel()}")
+        out = torch.empty_like(tensor)
+        with self._timed("all_to_all", group, tensor):
+            dist.all_to_all_single(out, tensor, group=group.pg)
         return out
 
     # -- flat-buffer helpers: one collective per dtype ---------------------

@@ -11,7 +11,10 @@ from typing import Any
 
 from .methods.ab import ABConfig
 from .methods.diloco import DiLoCoConfig
+from .methods.ef21 import EF21Config
+from .methods.hlocalsgd import HLocalSGDConfig
 from .methods.localsgd import LocalSGDConfig
+from .methods.onebit import OneBitConfig
 from .methods.powersgd import PowerSGDConfig
 from .validate import check_types
 
@@ -27,7 +30,8 @@ DEVICES = ("auto", "cpu", "cuda")
 
 # The methods' option sections: TrainConfig field, flags ``--<name>-<option>``, TOML table ``[<name>]``.
 SECTIONS: dict[str, type] = {"ab": ABConfig, "localsgd": LocalSGDConfig, "diloco": DiLoCoConfig,
-                             "powersgd": PowerSGDConfig}
+                             "powersgd": PowerSGDConfig, "ef21": EF21Config, "onebit": OneBitConfig,
+                             "hlocalsgd": HLocalSGDConfig}
 
 
 #: Counts above this are typos (``--steps 99999999999999999999``), refused before they overflow anything.
@@ -83,6 +87,9 @@ class TrainConfig:
     localsgd: LocalSGDConfig = field(default_factory=LocalSGDConfig, metadata={"help": "local SGD options (--localsgd-*)", "section": True})
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig, metadata={"help": "DiLoCo options (--diloco-*)", "section": True})
     powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig, metadata={"help": "PowerSGD options (--powersgd-*)", "section": True})
+    ef21: EF21Config = field(default_factory=EF21Config, metadata={"help": "EF21 top-k error feedback options (--ef21-*)", "section": True})
+    onebit: OneBitConfig = field(default_factory=OneBitConfig, metadata={"help": "1-bit compression options (--onebit-*)", "section": True})
+    hlocalsgd: HLocalSGDConfig = field(default_factory=HLocalSGDConfig, metadata={"help": "hierarchical local SGD options (--hlocalsgd-*)", "section": True})
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..data import steps_per_epoch
 
-DEFAULT_METHODS = ("none", "ddp", "powersgd", "localsgd", "diloco", "ab")
+DEFAULT_METHODS = ("none", "ddp", "powersgd", "localsgd", "diloco", "ef21", "onebit", "hlocalsgd", "ab")
 
 FASHION_TRAIN = 60_000  # Fashion-MNIST's training split
 SHAKESPEARE_STEPS = 2000

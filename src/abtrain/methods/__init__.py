@@ -11,8 +11,11 @@ from .ab import ABConfig, ABTraining
 from .bf16 import BF16DDPMethod
 from .ddp import DDPMethod
 from .diloco import DiLoCo, DiLoCoConfig
+from .ef21 import EF21, EF21Config
+from .hlocalsgd import HLocalSGD, HLocalSGDConfig
 from .localsgd import LocalSGD, LocalSGDConfig
 from .none import NoCommunication
+from .onebit import OneBit, OneBitConfig
 from .powersgd import PowerSGD, PowerSGDConfig
 
 METHODS: dict[str, Callable[..., Method]] = {
@@ -22,6 +25,9 @@ METHODS: dict[str, Callable[..., Method]] = {
     "powersgd": PowerSGD,
     "localsgd": LocalSGD,
     "diloco": DiLoCo,
+    "ef21": EF21,
+    "onebit": OneBit,
+    "hlocalsgd": HLocalSGD,
     "none": NoCommunication,
 }
 
@@ -33,5 +39,6 @@ def build_method(name: str, comm: Communicator, topo: Topology, **options) -> Me
     return METHODS[name](comm, topo, **options)
 
 
-__all__ = ["ABConfig", "ABTraining", "BF16DDPMethod", "DDPMethod", "DiLoCo", "DiLoCoConfig", "LocalSGD",
-           "LocalSGDConfig", "METHODS", "Method", "NoCommunication", "PowerSGD", "PowerSGDConfig", "build_method"]
+__all__ = ["ABConfig", "ABTraining", "BF16DDPMethod", "DDPMethod", "DiLoCo", "DiLoCoConfig", "EF21", "EF21Config",
+           "HLocalSGD", "HLocalSGDConfig", "LocalSGD", "LocalSGDConfig", "METHODS", "Method", "NoCommunication",
+           "OneBit", "OneBitConfig", "PowerSGD", "PowerSGDConfig", "build_method"]

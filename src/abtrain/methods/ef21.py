@@ -1,0 +1,126 @@
+"""EF21: error feedback with a top-k compressor of the change of each worker's gradient estimate.
+
+Richtárik, Sokolov, Fatkhullin, "EF21: A New, Simpler, Theoretically Better,
+and Practically Faster Error Feedback" (NeurIPS 2021), Algorithm 1. Worker
+``i`` keeps an estimate ``g_i`` of its own gradient; every worker keeps the
+same global estimate ``g = mean_i g_i``, which is what the optimizer sees. At
+each step, with ``grad_i`` the worker's fresh gradient::
+
+    c_i = TopK(grad_i - g_i)      k = ceil(fraction * numel) largest |.| of each tensor
+    g_i = g_i + c_i
+    g   = g + mean_i c_i          (every worker adds the same gathered messages in the same order)
+
+The messages travel in one all-gather per step over all workers: each worker
+contributes ``K = sum of the tensors' k`` float32 values and ``K`` int32 flat
+indices, packed in one int32 buffer of ``2K`` elements (the values' bits as
+they are). Counted: payload ``8K`` bytes, wire ``(p - 1) * 8K`` bytes per
+worker. The first ``warmup_steps`` steps (1 by default: EF21's
+``g_i^0 = grad_i(x^0)``) all-reduce the full gradients and set ``g_i = grad_i``,
+``g = mean_i grad_i``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..comm import Communicator
+from ..topology import Topology
+from ..validate import check_types
+from .base import GradientMethod
+
+
+@dataclass
+class EF21Config:
+    """Options of EF21; the CLI exposes each as ``--ef21-<name>``."""
+
+    fraction: float = field(default=0.01, metadata={"help": "k of the top-k compressor as a fraction of each tensor's elements, in (0, 1]: k = ceil(fraction * numel)"})
+    warmup_steps: int = field(default=1, metadata={"help": "full-precision all-reduce steps before compression (they set g_i = grad_i; 0 starts from g_i = 0)"})
+
+    def __post_init__(self) -> None:
+        check_types(self, "--ef21-")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"--ef21-fraction must be in (0, 1], e.g. 0.01 for 1 %, got {self.fraction}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--ef21-warmup-steps must be an integer >= 0, got {self.warmup_steps}")
+
+
+def topk_count(numel: int, fraction: float) -> int:
+    """Elements the compressor keeps of a tensor of ``numel`` elements (at least one)."""
+    return max(1, min(numel, math.ceil(fraction * numel)))
+
+
+def topk_compress(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` entries of flat ``x`` largest in magnitude: (values, int64 indices)."""
+    indices = torch.topk(x.abs(), k, sorted=False).indices
+    return x[indices], indices
+
+
+class EF21(GradientMethod):
+    """EF21 with a per-tensor top-k compressor (phases ``warmup`` then ``train``)."""
+
+    name = "ef21"
+
+    def __init__(self, comm: Communicator, topo: Topology, config: EF21Config | None = None,
+                 **options: Any) -> None:
+        self.cfg = config if config is not None else EF21Config(**options)
+        super().__init__(comm, topo, self.cfg.warmup_steps)
+        self.local = torch.zeros(0)  # g_i
+        self.estimate = torch.zeros(0)  # g, the same on every worker
+        self.ks: list[int] = []
+
+    def build(self, numel: int) -> None:
+        if numel >= 2 ** 31:
+            raise ValueError(f"EF21 sends int32 indices: a model of {numel:,} parameters is too large for it")
+        device = self.topo.device
+        self.local = torch.zeros(numel, device=device)
+        self.estimate = torch.zeros(numel, device=device)
+        self.ks = [topk_count(n, self.cfg.fraction) for n in self.numels]
+
+    @property
+    def message_elements(self) -> int:
+        """int32 elements each worker contributes per compressed step: K values and K indices."""
+        return 2 * sum(self.ks)
+
+    def warmup(self, own: torch.Tensor, average: torch.Tensor) -> None:
+        self.local.copy_(own)
+        self.estimate.copy_(average)
+
+    def exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        diff = flat - self.local
+        values, indices = [], []
+        offset = 0
+        for n, k in zip(self.numels, self.ks):
+            v, i = topk_compress(diff[offset:offset + n], k)
+            values.append(v)
+            indices.append(i + offset)
+            offset += n
+        value, index = torch.cat(values), torch.cat(indices)
+        self.local.index_add_(0, index, value)  # g_i += c_i
+        message = torch.cat([value.view(torch.int32), index.to(torch.int32)])
+        gathered = self.comm.all_gather(message, self.topo.world)
+        k = value.numel()
+        delta = torch.zeros_like(self.estimate)
+        for m in gathered:  # group-rank order on every worker: the same sums everywhere
+            delta.index_add_(0, m[k:].long(), m[:k].view(torch.float32))
+        self.estimate.add_(delta.div_(len(gathered)))  # g += mean_i c_i
+        return self.estimate
+
+    def extra_results(self) -> dict[str, Any]:
+        k = sum(self.ks)
+        return {"ef21": {**asdict(self.cfg), "k": k, "numel": sum(self.numels),
+                         "message_bytes": 4 * self.message_elements}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "local": self.local.clone(), "estimate": self.estimate.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["local"].shape != self.local.shape:
+            raise ValueError(f"checkpoint's EF21 state holds {state['local'].numel():,} elements, the model "
+                             f"{self.local.numel():,}")
+        self.t = state["t"]
+        self.local.copy_(state["local"])
+        self.estimate.copy_(state["estimate"])

@@ -1,0 +1,102 @@
+"""Hierarchical local SGD: data parallelism inside each group every step, one average over all workers every H steps.
+
+Lin et al., "Don't Use Large Mini-Batches, Use Local SGD" (ICLR 2020),
+hierarchical local SGD: the groups (``--group-size``, one node in the
+intended deployment) train apart, each as ordinary data parallelism: the
+gradients are averaged inside the group (one flat all-reduce per step, phase
+``local``, scope ``group``). Every ``h`` optimizer steps, and once more at the
+end if steps were taken since, one flat all-reduce over all workers (phase
+``average``, scope ``global``) averages
+
+* every parameter,
+* every floating-point buffer (BatchNorm running statistics),
+* the optimizer's per-element state of every parameter (SGD momentum, AdamW's
+  first and second moments; scalars like AdamW's ``step`` are the same
+  everywhere already),
+
+so that every worker leaves a meeting with one model and one optimizer state.
+It is AB-training's grouping and sync without the low-rank factors: the
+control that tells whether the factors earn their keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..comm import Communicator
+from ..topology import Topology
+from ..validate import check_types
+from .base import PeriodicMethod, optimizer_moments
+
+
+@dataclass
+class HLocalSGDConfig:
+    """Options of hierarchical local SGD; the CLI exposes each as ``--hlocalsgd-<name>``."""
+
+    h: int = field(default=8, metadata={"help": "optimizer steps between two averages over all workers (H); gradients are averaged inside the group every step"})
+
+    def __post_init__(self) -> None:
+        check_types(self, "--hlocalsgd-")
+        if self.h < 1:
+            raise ValueError(f"--hlocalsgd-h must be a positive integer, got {self.h!r}")
+
+
+class HLocalSGD(PeriodicMethod):
+    """Group-wise DP every step (phase ``local``); parameters, buffers and moments averaged every ``h`` steps (``average``)."""
+
+    name = "hlocalsgd"
+    apart_phase, meet_phase = "local", "average"
+
+    def __init__(self, comm: Communicator, topo: Topology, config: HLocalSGDConfig | None = None,
+                 **options: Any) -> None:
+        self.cfg = config if config is not None else HLocalSGDConfig(**options)
+        super().__init__(comm, topo, self.cfg.h)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._reduced = False
+
+    def reduce_gradients(self) -> None:
+        """Average this step's gradients inside the group (idempotent per step)."""
+        if self._reduced:
+            return
+        self._reduced = True
+        assert self.module is not None, "prepare() first"
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        with torch.profiler.record_function("abtrain::hlocalsgd::local"), self.comm.ledger.in_phase("local"):
+            self.comm.all_reduce_tensors(grads, self.topo.group, average=True)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self.reduce_gradients()
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._reduced = False
+        super().after_step(optimizer)
+
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        super().finalize(optimizer)
+
+    @torch.no_grad()
+    def meet(self) -> None:
+        """Average parameters, float buffers and optimizer moments over all workers (one collective per dtype)."""
+        assert self.module is not None, "prepare() first"
+        params = list(self.module.parameters())
+        tensors = [p.data for p in params] + [b for b in self.module.buffers() if b.is_floating_point()]
+        if self._optimizer is not None:
+            tensors += optimizer_moments(self._optimizer, params)
+        with torch.profiler.record_function("abtrain::hlocalsgd::average"), self.comm.ledger.in_phase("average"):
+            self.comm.all_reduce_tensors(tensors, self.topo.world, average=True)
+
+    def extra_results(self) -> dict[str, Any]:
+        return {"hlocalsgd": {**asdict(self.cfg), "averages": self.meetings}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "averages": self.meetings, "last_average": self._last_meeting}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.t = state["t"]
+        self.meetings = state["averages"]
+        self._last_meeting = state["last_average"]

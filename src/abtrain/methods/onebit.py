@@ -1,0 +1,185 @@
+"""1-bit compression with error feedback: each gradient element travels as its sign, plus one scale per tensor or chunk.
+
+In the manner of 1-bit SGD (Seide et al., Interspeech 2014) and of 1-bit
+Adam's compressed all-reduce (Tang et al., ICML 2021; DeepSpeed's
+``compressed_allreduce``): after ``warmup_steps`` full-precision all-reduces
+(phase ``warmup``), every step (phase ``train``) runs two compressions with
+error feedback and two collectives over all ``p`` workers:
+
+1. **worker**: ``x = grad + e_w`` (the flat gradient, zero-padded to
+   ``p * L`` elements, ``L`` a multiple of 8) is compressed to ``s * sign(x)``
+   with one scale ``s = mean |x|`` per segment (the value minimising
+   ``||x - s sign(x)||``); ``e_w = x - s sign(x)``. Signs are packed 8 to a
+   byte. An **all_to_all** sends slice ``j`` (``L/8`` bytes of signs and the
+   ``M`` float32 scales of its segments) to worker ``j``.
+2. **server**: worker ``j`` decompresses the ``p`` versions of its slice,
+   averages them, adds its own error ``e_s``, compresses again (same
+   segments) and keeps ``e_s``. An **all_gather** hands every worker all
+   ``p`` compressed slices; every worker decompresses the same bytes the same
+   way, so every optimizer sees the same averaged gradient.
+
+Segments are the tensors (``chunk_size = 0``) or chunks of ``chunk_size``
+elements of each tensor, cut further at slice boundaries; ``M`` is the
+largest number of segments in a slice (slices with fewer pad with zeros).
+Bytes per compressed step and worker, with ``m = L/8 + 4M`` (one message):
+all_to_all payload ``p*m``, wire ``(p-1)*m``; all_gather payload ``m``, wire
+``(p-1)*m``; together ``2(p-1)*m`` ≈ ``2(p-1)/p * numel/8``, 1/32 of a ring
+all-reduce of the float32 gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..comm import Communicator
+from ..topology import Topology
+from ..validate import check_types
+from .base import GradientMethod
+
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+@dataclass
+class OneBitConfig:
+    """Options of 1-bit compression; the CLI exposes each as ``--onebit-<name>``."""
+
+    warmup_steps: int = field(default=4, metadata={"help": "full-precision all-reduce steps before 1-bit compression starts (1-bit Adam, with AdamW, warms up for ~15 percent of the run)"})
+    chunk_size: int = field(default=0, metadata={"help": "elements sharing one scale; 0: one scale per tensor"})
+
+    def __post_init__(self) -> None:
+        check_types(self, "--onebit-")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--onebit-warmup-steps must be an integer >= 0, got {self.warmup_steps}")
+        if self.chunk_size < 0:
+            raise ValueError(f"--onebit-chunk-size must be >= 0 (0: one scale per tensor), got {self.chunk_size}")
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """One bit per element of flat ``x`` (numel a multiple of 8), 1 for ``x >= 0``, 8 to a uint8, first element in the high bit."""
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=x.device)
+    return ((x >= 0).view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
+    """The ±1.0 float32 signs of :func:`pack_signs`' bytes."""
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    bits = (packed.view(-1, 1) & weights).ne(0).view(-1)
+    return bits.to(torch.float32).mul_(2).sub_(1)
+
+
+def segment_ids(starts: list[int], numel: int, slices: int) -> tuple[torch.Tensor, int]:
+    """Per element of a buffer of ``numel`` (divisible by ``slices``) its segment's id, ``slice * M + local``.
+
+    ``starts`` are the first elements of the segments; the slice boundaries are
+    added. Returns the ids and ``M``, the most segments any slice holds.
+    """
+    length = numel // slices
+    bounds = sorted(set(starts) | {j * length for j in range(slices)})
+    bounds_t = torch.tensor(bounds, dtype=torch.int64)
+    element = torch.arange(numel, dtype=torch.int64)
+    which = torch.searchsorted(bounds_t, element, right=True) - 1  # index of the segment in ``bounds``
+    slice_of = element // length
+    first = torch.searchsorted(bounds_t, torch.arange(slices, dtype=torch.int64) * length)
+    local = which - first[slice_of]
+    m = int(torch.bincount(bounds_t // length, minlength=slices).max())
+    return slice_of * m + local, m
+
+
+def sign_compress(x: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as (packed signs, one float32 scale ``mean |x|`` per segment); ``counts`` are the segments' sizes."""
+    scales = torch.zeros(counts.numel(), dtype=torch.float32, device=x.device).index_add_(0, ids, x.abs())
+    return pack_signs(x), scales.div_(counts.clamp(min=1))
+
+
+def sign_decompress(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The ``s * sign`` values that :func:`sign_compress` sent."""
+    return unpack_signs(packed).mul_(scales[ids])
+
+
+def _floats(raw: torch.Tensor) -> torch.Tensor:
+    # A copy first: viewing bytes as float32 needs a 4-byte-aligned start, which a slice of a message may lack.
+    return raw.clone().view(torch.float32)
+
+
+class OneBit(GradientMethod):
+    """1-bit gradients with worker and server error feedback (phases ``warmup`` then ``train``)."""
+
+    name = "onebit"
+
+    def __init__(self, comm: Communicator, topo: Topology, config: OneBitConfig | None = None,
+                 **options: Any) -> None:
+        self.cfg = config if config is not None else OneBitConfig(**options)
+        super().__init__(comm, topo, self.cfg.warmup_steps)
+        self.numel = 0  # N, the trainable parameters
+        self.slice = 0  # L, elements per slice (p * L >= N, L a multiple of 8)
+        self.segments = 0  # M, scales per slice
+        self.worker_error = torch.zeros(0)  # e_w, p * L elements
+        self.server_error = torch.zeros(0)  # e_s, this worker's slice
+
+    def build(self, numel: int) -> None:
+        p = self.topo.world.size
+        self.numel = numel
+        self.slice = -(-numel // (8 * p)) * 8  # L: a whole number of bytes of signs per slice
+        padded = p * self.slice
+        starts, offset = [], 0
+        for n in self.numels:
+            step = self.cfg.chunk_size or n
+            starts += list(range(offset, offset + n, step))
+            offset += n
+        if numel < padded:
+            starts.append(numel)  # the padding: a segment of its own, scale 0
+        ids, self.segments = segment_ids(starts, padded, p)
+        device = self.topo.device
+        self.ids = ids.to(device)
+        self.counts = torch.bincount(ids, minlength=p * self.segments).to(device=device, dtype=torch.float32)
+        j = self.topo.rank  # this worker's slice
+        self.slice_ids = (ids[j * self.slice:(j + 1) * self.slice] - j * self.segments).to(device)
+        self.slice_counts = self.counts[j * self.segments:(j + 1) * self.segments]
+        self.all_slice_ids = (ids.view(p, self.slice) - torch.arange(p).view(p, 1) * self.segments).to(device)
+        self.worker_error = torch.zeros(padded, device=device)
+        self.server_error = torch.zeros(self.slice, device=device)
+
+    @property
+    def message_bytes(self) -> int:
+        """Bytes of one slice's message: L/8 of signs and M float32 scales."""
+        return self.slice // 8 + 4 * self.segments
+
+    def exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        p, n, length, m = self.topo.world.size, self.numel, self.slice, self.segments
+        x = self.worker_error.clone()
+        x[:n] += flat
+        packed, scales = sign_compress(x, self.ids, self.counts)
+        self.worker_error = x.sub_(sign_decompress(packed, scales, self.ids))
+        send = torch.cat([packed.view(p, length // 8), scales.view(p, m).view(torch.uint8)], dim=1)
+        received = self.comm.all_to_all(send.reshape(-1), self.topo.world).view(p, -1)
+
+        # This worker's slice: the mean of the p workers' compressed versions, compressed again with error feedback.
+        total = torch.zeros(length, device=flat.device)
+        for row in received:
+            total += sign_decompress(row[:length // 8], _floats(row[length // 8:]), self.slice_ids)
+        y = total.div_(p).add_(self.server_error)
+        packed, scales = sign_compress(y, self.slice_ids, self.slice_counts)
+        self.server_error = y.sub_(sign_decompress(packed, scales, self.slice_ids))
+        message = torch.cat([packed, scales.view(torch.uint8)])
+        gathered = self.comm.all_gather(message, self.topo.world)
+
+        average = torch.cat([sign_decompress(g[:length // 8], _floats(g[length // 8:]), ids)
+                             for g, ids in zip(gathered, self.all_slice_ids)])
+        return average[:n]
+
+    def extra_results(self) -> dict[str, Any]:
+        return {"onebit": {**asdict(self.cfg), "numel": self.numel, "padded_numel": self.slice * self.topo.world.size,
+                           "scales_per_slice": self.segments, "message_bytes": self.message_bytes}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "worker_error": self.worker_error.clone(), "server_error": self.server_error.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["worker_error"].shape != self.worker_error.shape or state["server_error"].shape != self.server_error.shape:
+            raise ValueError("checkpoint's 1-bit error memories do not fit this model and number of workers")
+        self.t = state["t"]
+        self.worker_error.copy_(state["worker_error"])
+        self.server_error.copy_(state["server_error"])
