@@ -31,7 +31,7 @@ from .. import lowrank
 from ..comm import Communicator, Group
 from ..reducers import DENSE_REDUCERS, build_reducer
 from ..topology import Topology
-from .base import Method
+from .base import Method, optimizer_moments
 from ..validate import check_types
 
 log = logging.getLogger(__name__)
@@ -486,7 +486,7 @@ class ABTraining(Method):
             # Parameters trained during the AB phase on every worker (full-rank ones)
             # carry group-specific optimizer moments: average them too, so that the
             # rebound that follows is exact data parallelism with one model everywhere.
-            rest = full + buffers + _moments(optimizer, full)
+            rest = full + buffers + optimizer_moments(optimizer, full)
             mode, wire = self.cfg.sync, self.wire_dtype
             if mode == "with-stale":
                 self.comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world, wire_dtype=wire)
@@ -621,13 +621,3 @@ class ABTraining(Method):
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)
         lowrank.set_trainable(self.records, self._trained_role())
-
-
-def _moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The optimizer's per-element state of ``params`` (momentum, Adam moments), not scalars like ``step``."""
-    out = []
-    for p in params:
-        for value in optimizer.state.get(p, {}).values():
-            if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
-                out.append(value)
-    return out
