@@ -50,7 +50,7 @@ def _opt(default: Any, help: str, **meta: Any) -> Any:
 class TrainConfig:
     """Everything ``abtrain train`` needs; the same keys in a TOML ``--config`` file."""
 
-    method: str = _opt("ddp", "communication method", choices_from="methods")
+    method: str = _opt("ab", "communication method (ab: AB-training; ddp: plain data parallelism)", choices_from="methods")
     workers: int = _opt(4, "number of local worker processes to start (ignored when joining a world started by torchrun or srun)")
     model: str = _opt("cnn", "model name", choices_from="models")
     dataset: str = _opt("fashion-mnist", "dataset name", choices_from="datasets")

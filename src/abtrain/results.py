@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from .comm import wire_bytes
+
 log = logging.getLogger(__name__)
 
 HISTORY_COLUMNS = ("step", "epoch", "test_accuracy", "test_loss", "test_perplexity", "train_loss",
@@ -175,6 +177,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TB"
 
 
+def ddp_equivalent(params: int, world_size: int, group_size: int, steps: int) -> dict[str, float]:
+    """Wire bytes per worker DDP would have sent for the same steps: one fp32 all-reduce of every
+    trainable parameter over all workers per step, ``steps · 2(p−1)/p · 4 · params`` (the figure the
+    ledger records for ``--method ddp``'s train phase). It is ``global`` when the workers form more
+    than one group, as DDP's all-reduce then crosses groups."""
+    total = steps * wire_bytes("all_reduce", 4 * params, world_size)
+    return {"wire_bytes": total, "global_wire_bytes": total if group_size < world_size else 0.0}
+
+
+def _times_fewer(ddp: float, ours: float) -> str:
+    if ddp <= 0:
+        return "none, as DDP" if ours <= 0 else "DDP would send none"
+    if ours <= 0:
+        return "none sent"
+    return f"{ddp / ours:.1f}x fewer" if ours <= ddp else f"{ours / ddp:.1f}x more"
+
+
 def summary_table(results: dict[str, Any], run_dir: str) -> str:
     """The table rank 0 prints at the end of a run."""
     comm = results["comm"]
@@ -191,6 +210,15 @@ def summary_table(results: dict[str, Any], run_dir: str) -> str:
         f"group {human_bytes(comm['by_scope']['group']['wire_bytes'])}); "
         f"payload {human_bytes(comm['payload_bytes'])}; {comm['calls']:,} collectives",
         "  by phase        " + " | ".join(f"{k} {human_bytes(v['wire_bytes'])}" for k, v in comm["by_phase"].items()),
-        f"  results         {os.path.join(run_dir, 'results.json')}",
     ]
+    ddp = results.get("ddp_equivalent")
+    if ddp and results["method"] != "ddp":
+        ours_global = comm["by_scope"]["global"]["wire_bytes"]
+        lines += [
+            f"  DDP, same steps global {human_bytes(ddp['global_wire_bytes'])}, total {human_bytes(ddp['wire_bytes'])} "
+            f"per worker (an fp32 gradient all-reduce every step)",
+            f"  versus DDP      global {_times_fewer(ddp['global_wire_bytes'], ours_global)}, "
+            f"total {_times_fewer(ddp['wire_bytes'], comm['wire_bytes'])}",
+        ]
+    lines.append(f"  results         {os.path.join(run_dir, 'results.json')}")
     return "\n".join(lines)

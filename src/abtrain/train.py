@@ -25,7 +25,7 @@ from .methods.ab import Schedule, check_topology, default_group_size
 from ._version import __version__
 from .models import build_model, count_parameters
 from .progress import Progress, eval_line
-from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, summary_table, write_json,
+from .results import (NoSpaceError, TensorBoard, ddp_equivalent, is_no_space, peak_rss_bytes, summary_table, write_json,
                       write_metrics_csv, write_status)
 from .topology import Topology, resolve_backend
 
@@ -546,6 +546,7 @@ class Trainer:
             "wall_seconds": self.wall,
             "peak_rss_bytes": int(rss.item()),
             "comm": comm,
+            "ddp_equivalent": ddp_equivalent(self.params, self.topo.world_size, self.topo.group_size, self.step),
             **self.method.extra_results(),
             "resumes": self.resumes,
             "history": self.history,
