@@ -127,7 +127,7 @@ def test_load_fashion_mnist_tiny(tmp_path: Path, compress: bool) -> None:
 
 
 def test_load_fashion_mnist_missing_dir(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="not found in .*apt-get install dataset-fashion-mnist.*--data-dir"):
+    with pytest.raises(DataError, match="not found in .*abtrain data fetch fashion-mnist.*apt-get install dataset-fashion-mnist.*--data-dir"):
         load_fashion_mnist(tmp_path / "nowhere")
 
 

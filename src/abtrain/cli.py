@@ -93,7 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
         group = train.add_argument_group(title, description)
         _add_config_flags(group, section_fields(section), SECTIONS[section](), prefix=section + "-")
     _add_bench_parser(sub)
+    _add_data_parser(sub)
     return parser
+
+
+def _add_data_parser(sub: Any) -> None:
+    data = sub.add_parser("data", help="get datasets", description="Get the datasets abtrain trains on.")
+    actions = data.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    fetch = actions.add_parser(
+        "fetch", help="download a dataset from its canonical location, checksums verified",
+        description="Download a dataset's files from their canonical location (Fashion-MNIST: the dataset's "
+                    "GitHub repository, then its S3 website) and verify each file's SHA-256. Files already "
+                    "present and valid are kept; a file is renamed into place only once it is complete and "
+                    "verified. Exit code 1 when a download fails (no network, wrong checksum), 2 for bad input.")
+    fetch.add_argument("dataset", choices=["fashion-mnist"], help="the dataset to download")
+    fetch.add_argument("--data-dir", metavar="DIR",
+                       help="directory to write the files to (default: $ABTRAIN_DATA/fashion-mnist, else "
+                            "~/.cache/abtrain/fashion-mnist, where 'abtrain train' finds them)")
+    fetch.add_argument("--base-url", metavar="URL",
+                       help="download from this directory URL instead (http://, https:// or file://; default: "
+                            "$ABTRAIN_FASHION_MNIST_URL, else the canonical locations)")
 
 
 def _add_bench_parser(sub: Any) -> None:
@@ -219,6 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return train(config_for_resume(ns), resume_dir=ns.resume)
             cfg = config_from_args(ns)
             return train(cfg)
+        if ns.command == "data":
+            from .fetch import fetch_fashion_mnist
+            path = fetch_fashion_mnist(ns.data_dir, base_url=ns.base_url)
+            print(f"abtrain: Fashion-MNIST is in {path}")
+            return 0
         if ns.command == "bench":
             from .bench import run_bench
             report = run_bench(bench_config_from_args(ns))

