@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from abtrain.bench import BenchConfig, NetworkModel, parse_method_args, run_bench
 from abtrain.bench import netns
@@ -52,7 +53,12 @@ def test_bench_end_to_end_with_a_failing_method(tmp_path):
     assert report["pareto_front"] and set(report["pareto_front"]) <= {"ddp", "ab", "localsgd"}
     assert set(report["projection"]["epoch_seconds"]) == {"ddp", "ab", "localsgd"}
     assert report["projection"]["workers"] == [8, 16, 32, 64, 128, 256]
+    from abtrain import __version__
+    assert (report["abtrain_version"], report["torch_version"]) == (__version__, torch.__version__)
+    assert all(json.loads((out / "runs" / m / "results.json").read_text())["abtrain_version"] == __version__
+               for m in ("ddp", "ab", "localsgd"))
     md = (out / "report.md").read_text()
+    assert f"- abtrain {__version__}, torch {torch.__version__}" in md
     assert "| diloco | **failed** |" in md and "diloco failed" in md and "a model, not a measurement" in md
     for png in ("accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_phase.png"):
         assert (out / png).read_bytes().startswith(PNG)

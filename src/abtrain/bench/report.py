@@ -10,6 +10,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from .._version import __version__
 from ..results import atomic_write, human_bytes, write_json
 from .projection import project
 from .workloads import Workload
@@ -138,6 +141,8 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
         "net": ({"spec": cfg.net, "description": cfg.net_spec.describe(), "rate_bytes_per_s": rate,
                  "delay_seconds": cfg.net_spec.delay_seconds} if cfg.net_spec else None),
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "abtrain_version": __version__,
+        "torch_version": torch.__version__,
         "interrupted": interrupted,
         "ddp_target": target,
         "pareto_front": sorted(front),
@@ -178,6 +183,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report["net"]:
         lines.append(f"- network: each worker in its own network namespace, {report['net']['description']} "
                      f"(`--net {report['net']['spec']}`)")
+    if report.get("abtrain_version"):
+        lines.append(f"- abtrain {report['abtrain_version']}, torch {report['torch_version']}")
     if report["interrupted"]:
         lines.append("- **interrupted**: methods after the interruption did not run")
     lines += ["", "## Results", "",
