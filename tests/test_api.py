@@ -1,6 +1,7 @@
 """The own-loop API: attach/detach, consensus, export, the LR applied, setup's manners, the README snippet."""
 
 import contextlib
+import difflib
 import io
 import os
 import re
@@ -232,3 +233,19 @@ def test_readme_snippet_runs_as_written(tmp_path):
     assert len(outs[0]["seen"]) == 4 and outs[0]["seen"] == outs[1]["seen"]  # every evaluation on one model
     model = _mlp()
     model.load_state_dict(torch.load(tmp_path / "model.pt"))  # the plain class takes the exported weights
+
+
+def test_conversion_diff_is_six_lines_and_the_example_is_it():
+    """docs/own-loop.md's before/after: 6 lines new or changed, as `diff` counts them; the example marks the same 6."""
+    text = (ROOT / "docs" / "own-loop.md").read_text()
+    block = re.search(r"```diff\n(.*?)```", text, re.S).group(1).splitlines()
+    before = [ln[1:] for ln in block if ln[:1] in (" ", "-", "")]
+    after = [ln[1:] for ln in block if ln[:1] in (" ", "+", "")]
+    ops = difflib.SequenceMatcher(None, before, after, autojunk=False).get_opcodes()
+    added = sum(j2 - j1 for tag, _, _, j1, j2 in ops if tag in ("replace", "insert"))
+    removed = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag in ("replace", "delete"))
+    assert (added, removed) == (6, 3)
+    assert "model = DDP(model)" not in after and "import abtrain" in after
+    example = (ROOT / "examples" / "own_loop.py").read_text().splitlines()
+    marked = [ln for ln in example if re.search(r"\S  # abtrain( \(was: .*\))?$", ln)]
+    assert len(marked) == 6 and not any(ln.strip().startswith("model = DDP(") for ln in example)
