@@ -52,7 +52,7 @@ from abtrain.cli import main as cli_main
 ROOT = Path(__file__).resolve().parent.parent
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
 STEPS = 30
-JOB = ["--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--steps", str(STEPS), "--batch-size", "16",
+JOB = ["--method", "ddp", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--steps", str(STEPS), "--batch-size", "16",
        "--eval-every", "10", "--log-every", "1", "--seed", "3"]
 METHODS = {
     "ddp": ["--method", "ddp"],

@@ -28,7 +28,8 @@ def run(args, **kw):
 
 def test_ddp_end_to_end(tmp_path, fashion_dir):
     out = tmp_path / "run"
-    p = run(["train", "--workers", "2", "--data-dir", str(fashion_dir), "--model", "cnn", "--out", str(out), *TINY])
+    p = run(["train", "--method", "ddp", "--workers", "2", "--data-dir", str(fashion_dir), "--model", "cnn",
+             "--out", str(out), *TINY])
     assert p.returncode == 0, p.stderr
     r = json.loads((out / "results.json").read_text())
     for key in ("method", "world_size", "steps", "wall_seconds", "params", "peak_rss_bytes", "history"):
@@ -47,6 +48,27 @@ def test_ddp_end_to_end(tmp_path, fashion_dir):
     assert (out / "metrics.csv").read_text().startswith("step,epoch,test_accuracy")
     assert json.loads((out / "status.json").read_text())["status"] == "complete"
     assert "test accuracy" in p.stdout and "results.json" in p.stdout
+    # The DDP reference every other method's summary sets its bytes against is this run's train phase.
+    assert r["ddp_equivalent"]["wire_bytes"] == pytest.approx(comm["by_phase"]["train"]["wire_bytes"])
+    assert r["ddp_equivalent"]["global_wire_bytes"] == 0 and "versus DDP" not in p.stdout  # one group of 2
+
+
+def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion_dir):
+    """`abtrain train` without --method: AB-training, 4 workers in 2 groups, the summary against DDP's bytes."""
+    out = tmp_path / "default"
+    p = run(["train", "--data-dir", str(fashion_dir), "--model", "mlp", "--out", str(out), *TINY, "--steps", "12"])
+    assert p.returncode == 0, p.stderr
+    r = json.loads((out / "results.json").read_text())
+    assert (r["method"], r["world_size"], r["group_size"]) == ("ab", 4, 2)
+    assert "one node of 4 workers: 2 groups of 2" in p.stdout
+    ddp = 12 * 2 * 3 / 4 * 4 * r["params"]  # 12 steps of a ring all-reduce of fp32 gradients over 4 workers
+    assert r["ddp_equivalent"] == {"wire_bytes": pytest.approx(ddp), "global_wire_bytes": pytest.approx(ddp)}
+    ours = r["comm"]["by_scope"]["global"]["wire_bytes"], r["comm"]["wire_bytes"]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("  versus DDP"))
+    for theirs, mine, what in ((ddp, ours[0], "global"), (ddp, ours[1], "total")):
+        ratio = f"{theirs / mine:.1f}x fewer" if mine <= theirs else f"{mine / theirs:.1f}x more"
+        assert f"{what} {ratio}" in line, line
+    assert "  DDP, same steps global" in p.stdout
 
 
 def test_ab_end_to_end_with_config_file(tmp_path, fashion_dir):

@@ -65,6 +65,10 @@ def test_workers_identical_and_bytes_exact(fashion_dir, world):
     assert s["by_scope"][scope]["wire_bytes"] == pytest.approx(s["wire_bytes"])
     for key in ("payload_bytes", "wire_bytes", "calls"):  # seconds are each worker's own
         assert r["comm"]["by_phase"]["train"][key] == s["by_phase"]["train"][key]
+    # results.json's DDP reference (what other methods' summaries compare with) is this train phase, exactly.
+    assert r["ddp_equivalent"]["wire_bytes"] == pytest.approx(s["by_phase"]["train"]["wire_bytes"])
+    assert r["ddp_equivalent"]["global_wire_bytes"] == pytest.approx(s["by_phase"]["train"]["wire_bytes"]
+                                                                     if scope == "global" else 0.0)
     assert len(r["history"]) == o["evals"] == 2
     assert all(out["results"] is None for out in outs[1:])
 

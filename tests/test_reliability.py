@@ -25,7 +25,7 @@ from abtrain.train import Trainer
 from abtrain.worker import classify
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
-JOB = ["train", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "16",
+JOB = ["train", "--method", "ddp", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "16",
        "--checkpoint-every", "5", "--log-every", "1", "--seed", "3"]
 
 
