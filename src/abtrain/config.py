@@ -54,7 +54,7 @@ class TrainConfig:
     workers: int = _opt(4, "number of local worker processes to start (ignored when joining a world started by torchrun or srun)")
     model: str = _opt("cnn", "model name", choices_from="models")
     dataset: str = _opt("fashion-mnist", "dataset name", choices_from="datasets")
-    data_dir: str | None = _opt(None, "directory with the dataset files (Fashion-MNIST IDX .gz files, or .txt files for shakespeare); default: the packaged location")
+    data_dir: str | None = _opt(None, "directory with the dataset files (Fashion-MNIST IDX .gz files, or .txt files for shakespeare); default: Debian's /usr/share/datasets/fashion-mnist, else where 'abtrain data fetch' writes; shakespeare: the installed package's texts")
     epochs: int | None = _opt(None, "number of passes over the training set (default 3 unless --steps is given)")
     steps: int | None = _opt(None, "number of optimizer steps (overrides --epochs)")
     batch_size: int = _opt(64, "batch size per worker")
