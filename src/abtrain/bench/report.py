@@ -11,6 +11,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..results import atomic_write, human_bytes, write_json
+from .linkbytes import link_check
+from .linkbytes import render as render_links
 from .projection import project
 from .workloads import Workload
 
@@ -110,11 +112,9 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
                                                    "global_wire_bytes", "wall_seconds")} for h in r["history"]],
             })
             if o.measured is not None:
-                tx = o.measured["tx_bytes"]
-                mean_tx = sum(tx) / len(tx)
-                row["measured"] = {**o.measured, "tx_bytes_mean": mean_tx, "counted_wire_bytes": total,
-                                   "ratio": _ratio(mean_tx, total),
-                                   "ideal_wire_seconds": total / rate if rate else None}
+                check = link_check(r, o.measured)
+                row["measured"] = {**o.measured, **check,
+                                   "ideal_wire_seconds": check["expected_tx_bytes"] / rate if rate else None}
         rows.append(row)
     # Compute per step: the `none` run has no communication at all, so its wall time per step is compute
     # (and evaluation) only; without it, each run's wall time less the time spent in collectives.
@@ -136,7 +136,9 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
         "extra": cfg.extra,
         "user_method_args": cfg.method_args,
         "net": ({"spec": cfg.net, "description": cfg.net_spec.describe(), "rate_bytes_per_s": rate,
-                 "delay_seconds": cfg.net_spec.delay_seconds} if cfg.net_spec else None),
+                 "delay_seconds": cfg.net_spec.delay_seconds,
+                 "node_size": next((o.measured["node_size"] for o in outcomes if o.measured), None)}
+                if cfg.net_spec else None),
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "interrupted": interrupted,
         "ddp_target": target,
@@ -176,8 +178,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     for m, args in report["user_method_args"].items():
         lines.append(f"- `--method-args` for `{m}`: `{args}`")
     if report["net"]:
-        lines.append(f"- network: each worker in its own network namespace, {report['net']['description']} "
-                     f"(`--net {report['net']['spec']}`)")
+        g = report["net"].get("node_size") or 1
+        where = "each worker in its own network namespace" if g == 1 else (
+            f"each group of {g} workers in one network namespace (a node; unshaped loopback inside it)")
+        lines.append(f"- network: {where}, {report['net']['description']} (`--net {report['net']['spec']}`)")
     if report["interrupted"]:
         lines.append("- **interrupted**: methods after the interruption did not run")
     lines += ["", "## Results", "",
@@ -208,18 +212,7 @@ def render_markdown(report: dict[str, Any]) -> str:
               "\"time to DDP's …\": wall seconds at the first evaluation as good as DDP's final value."]
     for r in failed:
         lines += ["", f"**{r['method']} {r['status']}**: {r['error']}  ", f"run directory: `{r['run_dir']}`"]
-    measured = [r for r in report["methods"] if r.get("measured") and r["status"] == "complete"]
-    if measured:
-        lines += ["", "## Measured on the wire", "",
-                  "Bytes each worker's interface sent during the run (`/proc/net/dev` in its namespace, TCP/IP "
-                  "headers, acknowledgements and rendezvous included), against the ledger's counted wire bytes.", "",
-                  "| method | counted wire / worker | measured tx / worker (mean) | measured / counted | "
-                  "per worker (tx) | counted bytes at the link rate |", "|---|---:|---:|---:|---|---:|"]
-        for r in measured:
-            m = r["measured"]
-            lines.append(f"| {r['method']} | {human_bytes(m['counted_wire_bytes'])} | {human_bytes(m['tx_bytes_mean'])} "
-                         f"| {_fmt(m['ratio'], '.3f')} | {', '.join(human_bytes(t) for t in m['tx_bytes'])} | "
-                         f"{_fmt(m['ideal_wire_seconds'], '.2f', ' s')} |")
+    lines += render_links([r for r in report["methods"] if r.get("measured") and r["status"] == "complete"])
     done = [r for r in report["methods"] if r["status"] == "complete"]
     if done:
         phases = ordered_phases({p for r in done for p in r["by_phase"]})
