@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..results import atomic_write, human_bytes, write_json
 from .linkbytes import link_check
 from .linkbytes import render as render_links
-from .projection import project
+from .projection import project, project_scaled, render_scaled
 from .workloads import Workload
 
 if TYPE_CHECKING:
@@ -68,6 +68,15 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
+def _by_scope_phase(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Wire bytes per worker for each scope (``global``, ``group``) and phase."""
+    out: dict[str, dict[str, float]] = {"global": {}, "group": {}}
+    for row in rows:
+        phases = out.setdefault(row["scope"], {})
+        phases[row["phase"]] = phases.get(row["phase"], 0.0) + row["wire_bytes"]
+    return out
+
+
 def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome"], out: str,
                  interrupted: bool = False) -> dict[str, Any]:
     """Everything report.json holds; report.md and the plots are drawn from it."""
@@ -107,6 +116,7 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
                 "time_to_ddp_metric": reached,
                 "peak_rss_bytes": r["peak_rss_bytes"],
                 "by_phase": {p: v["wire_bytes"] for p, v in comm["by_phase"].items()},
+                "by_scope_phase": _by_scope_phase(comm["rows"]),
                 "pareto": o.method in front,
                 "history": [{k: h.get(k) for k in ("step", "test_accuracy", "test_perplexity", "wire_bytes",
                                                    "global_wire_bytes", "wall_seconds")} for h in r["history"]],
@@ -128,6 +138,7 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
     if projection is not None:
         projection["compute_source"] = "none run: wall seconds / steps" if none else "each run: (wall - comm) / steps"
         projection["description"] = cfg.network_model.describe()
+        projection["scaled"] = project_scaled(done, cfg.network_model)
     return {
         "workload": {"name": workload.name, "description": workload.description, "quick": cfg.quick,
                      "metric": metric, "steps": workload.steps, "train_args": workload.train_args,
@@ -145,7 +156,7 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
         "pareto_front": sorted(front),
         "methods": rows,
         "projection": projection,
-        "plots": ["accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_phase.png"],
+        "plots": ["accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_scope.png", "bytes_by_phase.png"],
     }
 
 
@@ -216,11 +227,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     done = [r for r in report["methods"] if r["status"] == "complete"]
     if done:
         phases = ordered_phases({p for r in done for p in r["by_phase"]})
-        lines += ["", "## Wire bytes per phase (per worker)", "", "| method | " + " | ".join(phases) + " |",
-                  "|---|" + "---:|" * len(phases)]
+        lines += ["", "## Wire bytes per phase (per worker)", "",
+                  "Each cell: between groups (`global`) / inside groups (`group`); – where the phase sent nothing.",
+                  "", "| method | " + " | ".join(phases) + " |", "|---|" + "---:|" * len(phases)]
         for r in done:
-            lines.append(f"| {r['method']} | " + " | ".join(
-                human_bytes(r["by_phase"][p]) if p in r["by_phase"] else "–" for p in phases) + " |")
+            split = r.get("by_scope_phase") or {"global": r["by_phase"], "group": {}}
+            cells = []
+            for p in phases:
+                g, i = split.get("global", {}).get(p), split.get("group", {}).get(p)
+                cells.append("–" if g is None and i is None else f"{human_bytes(g or 0)} / {human_bytes(i or 0)}")
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
     proj = report["projection"]
     if proj:
         lines += ["", "## Projection beyond one machine (a model, not a measurement)", "",
@@ -238,6 +254,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "|---|" + "---:|" * len(proj["workers"])]
         for m, secs in proj["comm_seconds_per_step"].items():
             lines.append(f"| {m} | " + " | ".join(f"{s * 1e3:.3g} ms" for s in secs) + " |")
+        if proj.get("scaled"):
+            lines += render_scaled(proj["scaled"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
     return "\n".join(lines)
 
