@@ -283,3 +283,17 @@ def read_counters(ns: str, dev: str) -> dict[str, int]:
             v = [int(x) for x in rest.split()]
             return {"rx_bytes": v[0], "rx_packets": v[1], "tx_bytes": v[8], "tx_packets": v[9]}
     raise NetworkError(f"interface {dev} not found in namespace {ns}")
+
+
+def unavailable_reason() -> str | None:
+    """Why network namespaces cannot be made here (one line), or None when a probe namespace could be made."""
+    try:
+        check_available()
+    except ValueError as exc:
+        return str(exc)
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if p.returncode != 0:
+        return f"cannot create network namespaces here: {p.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30)
+    return None
