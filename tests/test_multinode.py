@@ -46,7 +46,9 @@ def _figures(run_dir) -> dict:
     return {"world": (r["world_size"], r["group_size"], r["steps"]), "final": r["final"],
             "history": [{k: h.get(k) for k in ("step", "test_accuracy", "test_loss", "train_loss", "wire_bytes",
                                                "global_wire_bytes")} for h in r["history"]],
-            "bytes": (comm["payload_bytes"], comm["wire_bytes"], comm["calls"], comm["by_scope"], comm["by_phase"])}
+            "bytes": (comm["payload_bytes"], comm["wire_bytes"], comm["calls"],
+                      *({k: {f: v for f, v in row.items() if f != "seconds"} for k, row in comm[part].items()}
+                        for part in ("by_scope", "by_phase")))}
 
 
 def _wait(procs, logs) -> None:

@@ -62,6 +62,9 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
                 ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(runs)), [r["method"] for r in runs])
     ax.set_yscale("log")
+    positive = [r[k] / 1e6 for r in runs for k in ("global_wire_bytes", "group_wire_bytes") if r[k] > 0]
+    if positive:  # bars start at the axis: leave a decade below the smallest so that it is not a sliver
+        ax.set_ylim(bottom=min(positive) / 10)
     ax.set_ylabel("wire bytes per worker (MB, log)")
     ax.set_title(f"{title}: bytes between and inside groups", fontsize=9)
     ax.legend(fontsize=8)
@@ -76,6 +79,7 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
     colors = {p: f"C{i % 10}" for i, p in enumerate(phases)}
     for ax, (scope, scope_label) in zip(axes, SCOPES):
         bottoms = [0.0] * len(runs)
+        ax.bar([r["method"] for r in runs], bottoms)  # every method on the axis, also one that sent nothing here
         for phase in phases:
             heights = [(r.get("by_scope_phase") or {}).get(scope, {}).get(phase, 0.0) / 1e6 for r in runs]
             if any(heights):
