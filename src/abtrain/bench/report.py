@@ -223,8 +223,9 @@ def render_markdown(report: dict[str, Any]) -> str:
               "\"time to DDP's …\": wall seconds at the first evaluation as good as DDP's final value."]
     for r in failed:
         lines += ["", f"**{r['method']} {r['status']}**: {r['error']}  ", f"run directory: `{r['run_dir']}`"]
-    lines += render_links([r for r in report["methods"] if r.get("measured") and r["status"] == "complete"])
     done = [r for r in report["methods"] if r["status"] == "complete"]
+    lines += _time_to_targets(done, report)
+    lines += render_links([r for r in done if r.get("measured")])
     if done:
         phases = ordered_phases({p for r in done for p in r["by_phase"]})
         lines += ["", "## Wire bytes per phase (per worker)", "",
@@ -258,6 +259,27 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += render_scaled(proj["scaled"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
     return "\n".join(lines)
+
+
+def _time_to_targets(done: list[dict[str, Any]], report: dict[str, Any]) -> list[str]:
+    """Wall seconds for each method to reach each method's final metric (on the shaped network with --net)."""
+    ppl = report["workload"]["metric"] == "perplexity"
+    key = "test_perplexity" if ppl else "test_accuracy"
+    targets = sorted({r["metric"] for r in done if r["metric"] is not None}, reverse=ppl)
+    if len(targets) < 2:
+        return []
+    where = f"through `--net {report['net']['spec']}`" if report["net"] else "on this machine"
+    name = "perplexity" if ppl else "accuracy"
+    head = [_fmt(t, ".2f") if ppl else _fmt(t * 100, ".2f", " %") for t in targets]
+    lines = ["", f"## Time to {name} ({where})", "",
+             f"Wall seconds until the first evaluation at least as good as each target (the final {name} of some "
+             f"method), \"–\" when never reached.", "",
+             "| method | " + " | ".join(head) + " |", "|---|" + "---:|" * len(targets)]
+    for r in done:
+        history = [{key: h.get(key), "wall_seconds": h["wall_seconds"]} for h in r["history"]]
+        lines.append(f"| {r['method']} | " + " | ".join(
+            _fmt(time_to_reach(history, t, report["workload"]["metric"]), ".1f", " s") for t in targets) + " |")
+    return lines
 
 
 def write_report(report: dict[str, Any], out: str) -> None:

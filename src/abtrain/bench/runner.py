@@ -222,7 +222,8 @@ def _run_method(outcome: Outcome, network: netns.Network | None, port: int) -> N
         else:
             procs = []
             # Every worker shares this machine's cores, as under the local launcher: the same threads per worker.
-            threads = [] if "--threads" in " ".join(outcome.command) else [
+            asked = any(a == "--threads" or a.startswith("--threads=") for a in outcome.command)
+            threads = [] if asked else [
                 "--threads", str(max(1, len(os.sched_getaffinity(0)) // network.workers))]
             for k in range(network.workers):
                 world_env = {**env, "RANK": str(k), "WORLD_SIZE": str(network.workers),
