@@ -5,7 +5,8 @@ scope is the collectives over process groups that span more than one group of wo
 network measures something else: the bytes each *node's* interface sends (``--net``, one namespace per
 node of ``g`` contiguous ranks; the workers of a node talk over its loopback, which the interface never
 sees). The two are related through gloo's algorithms, measured on this network
-(4 workers in 2 nodes, payload ``b``, ``tests/test_bench.py``):
+(4 workers in 2 nodes, payload ``b``; ``tests/test_bench.py`` checks the all-reduce, the broadcast
+and an all-reduce inside the nodes):
 
 - **all-reduce** is a ring over the ranks in order (rank r sends to r+1). With contiguous nodes every
   node has exactly one outgoing ring edge that leaves it, so each node's link carries what *one* worker
