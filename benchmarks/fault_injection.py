@@ -186,7 +186,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
     if not torch.cuda.is_available():
         out += [base + ["--device", "cuda"], base + ["--backend", "nccl"], base + ["--backend", "nccl", "--device", "cpu"]]
     conflicts = [
-        ["--method", "ab"],  # one group of 2 workers: AB needs two groups
+        ["--method", "ab", "--group-size", "2"],  # one group of 2 workers: AB needs two groups
         ["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"],
         ["--method", "ab", "--group-size", "1", "--ab-rebound-steps", "8", "--ab-cycle-steps", "8"],
         ["--method", "ab", "--group-size", "1", "--ab-full-rank", "*"],
