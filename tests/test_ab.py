@@ -44,7 +44,7 @@ def _train(options, group_size=2, optimizer="sgd", steps=STEPS, plan=False):
     method = ABTraining(comm, topo, cfg)
     model = method.prepare(model)
     if plan:
-        method.plan(steps)
+        method.set_total_steps(steps)
     group = method.train_group  # only-b trains B over all workers
     out_group_ranks = dist.get_process_group_ranks(group.pg) if group.pg is not None else [topo.rank]
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"

@@ -62,20 +62,6 @@ def collective_seconds(op: str, payload_bytes: float, p: int, bandwidth: float, 
     return ring_steps(op, p) * latency + wire_bytes(op, payload_bytes, p) / bandwidth
 
 
-def group_size_of(op: str, payload_bytes: float, wire: float) -> int:
-    """The group size a ledger row was counted for, recovered from its wire/payload ratio."""
-    if payload_bytes <= 0 or wire <= 0:
-        return 1
-    r = wire / payload_bytes
-    if op == "all_reduce":  # r = 2(p-1)/p
-        return max(2, round(2 / (2 - r))) if r < 2 else 1 << 30
-    if op in ("reduce_scatter", "broadcast", "all_to_all"):  # r = (p-1)/p
-        return max(2, round(1 / (1 - r))) if r < 1 else 1 << 30
-    if op == "all_gather":  # r = p-1
-        return round(r) + 1
-    raise ValueError(f"unknown collective {op!r}")
-
-
 def comm_seconds_per_step(results: dict[str, Any], workers: int, model: NetworkModel) -> float:
     """Modelled communication time per step of a run's collectives, rescaled to ``workers`` workers.
 
@@ -88,7 +74,7 @@ def comm_seconds_per_step(results: dict[str, Any], workers: int, model: NetworkM
         if row["phase"] == "setup" or row["calls"] == 0:
             continue
         payload = row["payload_bytes"] / row["calls"]
-        p_run = min(world, group_size_of(row["op"], row["payload_bytes"], row["wire_bytes"]))
+        p_run = row["group_size"]  # the size of the group the ledger counted this row for
         if row["scope"] == "group":
             p, bw, lat = min(model.node_size, workers), model.intra_bw, model.intra_latency
         else:
