@@ -147,7 +147,7 @@ def check_resumable(run_dir: str, world: int, cfg: TrainConfig | None = None, sh
                          f"give a later step, or none")
 
 
-def _kept(run_dir: str) -> tuple[int | None, str]:
+def _last_checkpoint(run_dir: str) -> tuple[int | None, str]:
     """The last complete checkpoint's step, and the sentence that says what a user can do with it."""
     try:
         manifest = read_manifest(run_dir)
@@ -208,7 +208,7 @@ def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: s
     def announce(failures: dict[int, Any]) -> None:
         line, _, retry = _describe(failures, run_dir, board)
         if retry:
-            step, _ = _kept(run_dir)
+            step, _ = _last_checkpoint(run_dir)
             source = f"the checkpoint of step {step}" if step is not None else "the start (no checkpoint yet)"
             print(f"abtrain: {line}, restarting from {source}", file=sys.stderr, flush=True)
 
@@ -287,7 +287,7 @@ def _failed(failures: dict[int, Any], run_dir: str, board: str) -> None:
     line, code, _ = _describe(failures, run_dir, board)
     status = read_status(run_dir) or {}
     if code == EXIT_WORKER_DIED:
-        step, what = _kept(run_dir)
+        step, what = _last_checkpoint(run_dir)
         with contextlib.suppress(OSError):
             write_status(run_dir, "failed", error=line, kind="worker-died", retry=True, exit_code=code,
                          checkpoint=step)
@@ -319,7 +319,7 @@ def _remove_orphaned_tmp() -> None:
 
 def _interrupted(run_dir: str, board: str, world: int, sig: str) -> int:
     """SIGINT / SIGTERM to the launcher: the workers are stopped; record it and say how to continue."""
-    step, what = _kept(run_dir)
+    step, what = _last_checkpoint(run_dir)
     reached = _reached(board, world)
     with contextlib.suppress(OSError):
         write_status(run_dir, "interrupted", signal=sig, step=reached, checkpoint=step,
