@@ -44,22 +44,25 @@ def _train(options, group_size=2, optimizer="sgd", steps=STEPS, plan=False):
     method = ABTraining(comm, topo, cfg)
     model = method.prepare(model)
     if plan:
-        method.plan(steps)
+        method.set_total_steps(steps)
     group = method.train_group  # only-b trains B over all workers
     out_group_ranks = dist.get_process_group_ranks(group.pg) if group.pg is not None else [topo.rank]
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-2))
     out = {"rank": topo.rank, "role": method.role, "syncs": [], "steps": [], "ledger_by_step": [],
            "group_ranks": out_group_ranks}
-    real_sync = method._sync
+    sync_due: dict = {}
 
-    def recording_sync(optimizer):
-        before = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone()) for fp in method.records if fp.mode == "lowrank"}
-        before_full = {n: p.detach().clone() for n, p in model.named_parameters() if "parametrizations" not in n}
-        real_sync(optimizer)
-        out["syncs"].append({"step": method.t, "before": before, "before_full": before_full, "after": _snapshot(model)})
+    def before_the_method(optimizer, args, kwargs):
+        # Registered before attach(), so it runs after the update and before the method's own hook,
+        # which syncs when the schedule says so for the step count it is about to reach.
+        if method.schedule.events(method.t + 1)[0]:
+            sync_due["before"] = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone())
+                                  for fp in method.records if fp.mode == "lowrank"}
+            sync_due["before_full"] = {n: p.detach().clone() for n, p in model.named_parameters()
+                                       if "parametrizations" not in n}
 
-    method._sync = recording_sync
+    opt.register_step_post_hook(before_the_method)
     gen = torch.Generator().manual_seed(100 + topo.rank)  # every worker its own data
     with method.attach(opt):
         for _ in range(steps):
@@ -72,6 +75,9 @@ def _train(options, group_size=2, optimizer="sgd", steps=STEPS, plan=False):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if sync_due:
+                out["syncs"].append({"step": method.t, **sync_due, "after": _snapshot(model)})
+                sync_due.clear()
             out["steps"].append({"phase": phase, "t": method.t, "before": before, "after": _snapshot(model),
                                  "modes_before": modes_before,
                                  "ranks": {fp.name: fp.rank for fp in method.records},

@@ -82,7 +82,7 @@ def _train_single(options: dict, steps: int = 6) -> ABTraining:
     torch.manual_seed(0)
     cfg = ABConfig(sync="only-b", only_b_groups="world", cycle_steps=3, rebound_steps=1, **options)
     method = ABTraining(Communicator(), Topology(), cfg)
-    method.plan(steps)
+    method.set_total_steps(steps)
     model = method.prepare(Proto())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with method.attach(opt):

@@ -4,6 +4,7 @@ One spawned gloo world of 2 workers trains every configuration in turn (a
 Trainer per run, sharing the process group), so the file stays fast.
 """
 
+import dataclasses
 import os
 import tempfile
 
@@ -13,7 +14,7 @@ import torch
 from abtrain.cli import build_parser, config_from_args
 from abtrain.comm import Communicator
 from abtrain.config import TrainConfig, read_config_file
-from abtrain.methods import METHODS, build_method
+from abtrain.methods import build_method, registry
 from abtrain.methods.diloco import DiLoCoConfig
 from abtrain.methods.localsgd import LocalSGDConfig
 from abtrain.methods.powersgd import PowerSGDConfig
@@ -58,15 +59,15 @@ def _run_all(runs, run_dir):
     out = {}
     for name, cfg_dict in runs.items():
         cfg = TrainConfig.from_dict(cfg_dict)
-        original = METHODS["powersgd"]
+        original = registry.get("powersgd")
         if name == "torch-powersgd":
-            METHODS["powersgd"] = _torch_powersgd_method()
+            registry.register(dataclasses.replace(original, build=_torch_powersgd_method()))
         try:
             os.makedirs(os.path.join(run_dir, name), exist_ok=True)
             trainer = Trainer(cfg, topo, os.path.join(run_dir, name))
             trainer.run()
         finally:
-            METHODS["powersgd"] = original
+            registry.register(original)
         method = trainer.method
         out[name] = {
             "state": {k: v.clone() for k, v in trainer.model.state_dict().items()},

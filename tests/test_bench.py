@@ -12,7 +12,8 @@ import torch
 
 from abtrain.bench import BenchConfig, NetworkModel, parse_method_args, run_bench
 from abtrain.bench import netns
-from abtrain.bench.projection import collective_seconds, comm_seconds_per_step, epoch_seconds, group_size_of
+from abtrain.bench.projection import (collective_seconds, comm_seconds_per_step, epoch_seconds, group_size_of,
+                                      row_group_size)
 from abtrain.bench.report import pareto_front, time_to_reach
 from abtrain.bench.workloads import get_workload
 from abtrain.cli import build_parser, main
@@ -134,16 +135,19 @@ def test_projection_on_hand_computed_numbers():
     assert collective_seconds("all_reduce", 1e6, 4, bandwidth=1e9, latency=1e-6) == pytest.approx(6e-6 + 1.5e-3)
     assert collective_seconds("all_gather", 1e6, 4, bandwidth=1e9, latency=0.0) == pytest.approx(3e-3)
     assert collective_seconds("broadcast", 1e6, 1, bandwidth=1e9, latency=1.0) == 0.0
+    # The ledger's rows name their group's size; older results.json rows only allow recovering it.
+    assert row_group_size({"op": "all_reduce", "group_size": 3, "payload_bytes": 4e6, "wire_bytes": 6e6}, 8) == 3
+    assert row_group_size({"op": "all_reduce", "payload_bytes": 4e6, "wire_bytes": 6e6}, 8) == 4
     assert group_size_of("all_reduce", 4e6, 6e6) == 4 and group_size_of("broadcast", 8.0, 7.0) == 8
     assert group_size_of("all_gather", 1.0, 3.0) == 4
     # A run of 4 workers in groups of 2: per step one global all-reduce of 400 kB over all 4 and one
     # group all-reduce of 100 kB over 2; the one-off setup broadcast is left out.
     results = {"steps": 10, "world_size": 4, "steps_per_epoch": 100, "comm": {"rows": [
-        {"op": "all_reduce", "scope": "global", "phase": "train", "calls": 10, "payload_bytes": 4e6,
-         "wire_bytes": 6e6},
-        {"op": "all_reduce", "scope": "group", "phase": "ab", "calls": 10, "payload_bytes": 1e6,
+        {"op": "all_reduce", "group_size": 4, "scope": "global", "phase": "train", "calls": 10,
+         "payload_bytes": 4e6, "wire_bytes": 6e6},
+        {"op": "all_reduce", "group_size": 2, "scope": "group", "phase": "ab", "calls": 10, "payload_bytes": 1e6,
          "wire_bytes": 1e6},
-        {"op": "broadcast", "scope": "global", "phase": "setup", "calls": 1, "payload_bytes": 1e9,
+        {"op": "broadcast", "group_size": 4, "scope": "global", "phase": "setup", "calls": 1, "payload_bytes": 1e9,
          "wire_bytes": 7.5e8}]}}
     model = NetworkModel(intra_bw=1e10, inter_bw=1e9, intra_latency=1e-6, inter_latency=1e-5, node_size=4)
     # 8 workers: global over 8 (2*7 alpha + 2*7/8 * 4e5 / 1e9), group over one node of 4 (6 alpha + 1.5e5 / 1e10).

@@ -48,6 +48,29 @@ def test_ledger_aggregates_by_scope_and_phase():
     assert restored.summary() == s
 
 
+def test_ledger_labels_come_from_the_followed_method_and_rows_carry_the_group_size():
+    class Stepper:  # stands for an attached method: its phase changes with its step
+        phase = "warmup"
+
+    ledger = Ledger()
+    world, node = Group("world", 4, "global"), Group("group", 2, "group")
+    ledger.record("broadcast", world, torch.zeros(2), 0.0)  # before any method: setup
+    method = Stepper()
+    ledger.follow(method)
+    ledger.record("all_reduce", world, torch.zeros(2), 0.0)
+    method.phase = "ab"
+    ledger.record("all_reduce", node, torch.zeros(2), 0.0)
+    with ledger.in_phase("sync"):  # a block's label wins over the method's
+        ledger.record("all_reduce", world, torch.zeros(2), 0.0)
+    assert ledger.phase == "ab"
+    rows = [(r["op"], r["group"], r["group_size"], r["phase"]) for r in ledger.summary()["rows"]]
+    assert rows == [("all_reduce", "group", 2, "ab"), ("all_reduce", "world", 4, "sync"),
+                    ("all_reduce", "world", 4, "warmup"), ("broadcast", "world", 4, "setup")]
+    old = {"phase": "ab", "rows": [[["all_reduce", "world", "global", "float32", "ab"], {"calls": 1}]]}
+    with pytest.raises(ValueError, match="older abtrain"):
+        Ledger().load_state_dict(old)
+
+
 def test_disabled_ledger_records_nothing():
     ledger = Ledger(enabled=False)
     ledger.record("all_reduce", Group("world", 4, "global"), torch.zeros(3), 0.0)

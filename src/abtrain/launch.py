@@ -35,9 +35,6 @@ from .rundir import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_WORKER_DIED, RunFailed,
 
 log = logging.getLogger(__name__)
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
 def external_world(environ: dict[str, str] | None = None) -> str | None:
     """``"torchrun"`` or ``"slurm"`` when this process belongs to a world started outside, else None.
 
@@ -81,7 +78,8 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
 
     ``resume_dir``: continue that run from its last checkpoint (``cfg`` is its saved configuration).
     """
-    from .train import default_run_dir, preflight
+    from .plan import preflight
+    from .rundir import default_run_dir
     from .worker import restart_count, worker_main
 
     mode = external_world()
@@ -104,7 +102,7 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
             elif restart_count() == 0 and read_manifest(run_dir) is not None:
                 raise ValueError(f"run directory {run_dir} holds a checkpoint of an unfinished run: continue it with "
                                  f"'abtrain train --resume {run_dir}', or pass another --out")
-        preflight(cfg, world)
+        plan = preflight(cfg, world)  # a joining worker trains with it; local workers make their own
         if not mode:
             _warn_about_memory(cfg.workers)
         if is_main:
@@ -112,7 +110,7 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
                 write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
             write_status(run_dir, "running", world_size=world, pid=os.getpid())
         if mode:
-            worker_main(cfg.to_dict(), run_dir, bool(resume_dir), report=True)
+            worker_main(cfg.to_dict(), run_dir, bool(resume_dir), report=True, plan=plan)
             return 0
         return _launch_local(cfg, run_dir, bool(resume_dir))
     finally:
@@ -149,7 +147,7 @@ def check_resumable(run_dir: str, world: int, cfg: TrainConfig | None = None, sh
                          f"give a later step, or none")
 
 
-def _kept(run_dir: str) -> tuple[int | None, str]:
+def _last_checkpoint(run_dir: str) -> tuple[int | None, str]:
     """The last complete checkpoint's step, and the sentence that says what a user can do with it."""
     try:
         manifest = read_manifest(run_dir)
@@ -210,7 +208,7 @@ def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: s
     def announce(failures: dict[int, Any]) -> None:
         line, _, retry = _describe(failures, run_dir, board)
         if retry:
-            step, _ = _kept(run_dir)
+            step, _ = _last_checkpoint(run_dir)
             source = f"the checkpoint of step {step}" if step is not None else "the start (no checkpoint yet)"
             print(f"abtrain: {line}, restarting from {source}", file=sys.stderr, flush=True)
 
@@ -289,7 +287,7 @@ def _failed(failures: dict[int, Any], run_dir: str, board: str) -> None:
     line, code, _ = _describe(failures, run_dir, board)
     status = read_status(run_dir) or {}
     if code == EXIT_WORKER_DIED:
-        step, what = _kept(run_dir)
+        step, what = _last_checkpoint(run_dir)
         with contextlib.suppress(OSError):
             write_status(run_dir, "failed", error=line, kind="worker-died", retry=True, exit_code=code,
                          checkpoint=step)
@@ -321,7 +319,7 @@ def _remove_orphaned_tmp() -> None:
 
 def _interrupted(run_dir: str, board: str, world: int, sig: str) -> int:
     """SIGINT / SIGTERM to the launcher: the workers are stopped; record it and say how to continue."""
-    step, what = _kept(run_dir)
+    step, what = _last_checkpoint(run_dir)
     reached = _reached(board, world)
     with contextlib.suppress(OSError):
         write_status(run_dir, "interrupted", signal=sig, step=reached, checkpoint=step,

@@ -169,6 +169,42 @@ class TensorBoard:
             self.writer.close()
 
 
+def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: int, steps_per_epoch: int,
+                   params: int, wall: float, peak_rss: int, comm: dict[str, Any], method_results: dict[str, Any],
+                   resumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The content of results.json: the run's identity, final metrics, the ledger's summary, the history."""
+    import torch
+
+    from ._version import __version__
+
+    last = history[-1]
+    return {
+        "status": "complete",
+        "method": cfg.method,
+        "model": cfg.model,
+        "dataset": cfg.dataset,
+        "world_size": topo.world_size,
+        "group_size": topo.group_size,
+        "backend": topo.backend,
+        "device": topo.device.type,
+        "steps": steps,
+        "epochs": round(steps / steps_per_epoch, 4),
+        "steps_per_epoch": steps_per_epoch,
+        "params": params,
+        "final": {k: last[k] for k in ("test_accuracy", "test_loss", "test_perplexity", "train_loss")},
+        "wall_seconds": wall,
+        "peak_rss_bytes": peak_rss,
+        "comm": comm,
+        "ddp_equivalent": ddp_equivalent(params, topo.world_size, topo.group_size, steps),
+        **method_results,
+        "resumes": resumes,
+        "history": history,
+        "config": cfg.to_dict(),
+        "abtrain_version": __version__,
+        "torch_version": torch.__version__,
+    }
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":

@@ -20,9 +20,13 @@ import fcntl
 import os
 import signal
 import struct
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from .results import read_status
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 #: Exit codes of ``abtrain train`` (README and docs/reliability.md list them).
 EXIT_OK = 0
@@ -170,3 +174,36 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
+
+
+def launch_id(environ: dict[str, str] | None = None) -> str | None:
+    """An id every worker of this launch shares: torchrun's rendezvous id, else Slurm's job and step ids."""
+    env = os.environ if environ is None else environ
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":  # torchrun's default --rdzv-id is the string "none"
+        return run_id
+    if env.get("SLURM_JOB_ID"):
+        return env["SLURM_JOB_ID"] + (f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else "")
+    return None
+
+
+def default_run_dir(cfg: TrainConfig, environ: dict[str, str] | None = None) -> str:
+    """``runs/<method>-<model>-<dataset>-<id>``, the same on every worker of a launch.
+
+    The id is the launch's (:func:`launch_id`); without one, a time stamp, which
+    workers started by torchrun share through the elastic agent's store (each
+    computing its own could straddle a second, or differ between nodes).
+    """
+    env = os.environ if environ is None else environ
+    tag = launch_id(env)
+    if tag is None:
+        tag = time.strftime("%Y%m%d-%H%M%S")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR"):
+            import datetime
+
+            import torch.distributed as dist
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=cfg.timeout))
+            # The first worker to get here sets it; a restarted worker finds the same one.
+            tag = store.compare_set("abtrain/run_dir_stamp", "", tag).decode()
+    return os.path.join("runs", f"{cfg.method}-{cfg.model}-{cfg.dataset}-{tag}")

@@ -1,194 +1,76 @@
-"""The worker: build, train_step, evaluate, results, close."""
+"""The worker: build from the plan, train_step, evaluate, checkpoint, finish, close."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
-import json
-import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from . import checkpoint as ckpt
 from .comm import Communicator, Ledger
-from .config import SECTIONS, TrainConfig
-from .data import Dataset, batches, load_dataset, shard_indices, steps_per_epoch
-from . import lowrank
-from .methods import METHODS, build_method
-from .methods.ab import Schedule, check_topology, default_group_size
-from ._version import __version__
-from .models import build_model, count_parameters
+from .config import TrainConfig
+from .data import batches, shard_indices
+from .methods import build_method
+from .models import count_parameters
+from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
-from .results import (NoSpaceError, TensorBoard, ddp_equivalent, is_no_space, peak_rss_bytes, summary_table, write_json,
-                      write_metrics_csv, write_status)
-from .topology import Topology, resolve_backend
+from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, results_record, summary_table,
+                      write_json, write_metrics_csv, write_status)
+from .topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-def method_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The options of ``cfg.method`` taken from the flat config."""
-    options: dict[str, Any] = {}
-    if cfg.method in ("ddp", "ddp-bf16", "powersgd"):
-        options["bucket_cap_mb"] = cfg.bucket_cap_mb
-    if cfg.method in SECTIONS:  # methods with an options section (--<method>-*)
-        options["config"] = getattr(cfg, cfg.method)
-    return options
-
-
-def launch_id(environ: dict[str, str] | None = None) -> str | None:
-    """An id every worker of this launch shares: torchrun's rendezvous id, else Slurm's job and step ids."""
-    env = os.environ if environ is None else environ
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":  # torchrun's default --rdzv-id is the string "none"
-        return run_id
-    if env.get("SLURM_JOB_ID"):
-        return env["SLURM_JOB_ID"] + (f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else "")
-    return None
-
-
-def default_run_dir(cfg: TrainConfig, environ: dict[str, str] | None = None) -> str:
-    """``runs/<method>-<model>-<dataset>-<id>``, the same on every worker of a launch.
-
-    The id is the launch's (:func:`launch_id`); without one, a time stamp, which
-    workers started by torchrun share through the elastic agent's store (each
-    computing its own could straddle a second, or differ between nodes).
-    """
-    env = os.environ if environ is None else environ
-    tag = launch_id(env)
-    if tag is None:
-        tag = time.strftime("%Y%m%d-%H%M%S")
-        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR"):
-            import datetime
-
-            import torch.distributed as dist
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                                  timeout=datetime.timedelta(seconds=cfg.timeout))
-            # The first worker to get here sets it; a restarted worker finds the same one.
-            tag = store.compare_set("abtrain/run_dir_stamp", "", tag).decode()
-    return os.path.join("runs", f"{cfg.method}-{cfg.model}-{cfg.dataset}-{tag}")
-
-
-def group_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
-    """The group size this run uses, and a line saying so when abtrain chose it for AB-training on one node."""
-    if cfg.group_size is not None:
-        return cfg.group_size, None
-    local = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
-    if cfg.method != "ab":
-        return local, None
-    g = default_group_size(world_size, local, cfg.ab)
-    if g == local:
-        return g, None
-    return g, f"AB-training: one node of {world_size} workers: {world_size // g} groups of {g} (--group-size to choose)"
-
-
-def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD with momentum or AdamW; no weight decay on 1-D parameters (biases, norms)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999))
-
-
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    """Linear warm-up, then cosine decay to zero (or constant)."""
-    warm = cfg.warmup_lr_steps
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def preflight(cfg: TrainConfig, world_size: int) -> Dataset:
-    """Every check that can fail on user input, before any worker starts."""
-    resolve_backend(cfg.backend, cfg.device)
-    ds = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, block_size=cfg.block_size,
-                      limit_train=cfg.limit_train, limit_test=cfg.limit_test)
-    shard = len(ds.train) // world_size
-    if cfg.batch_size > shard:
-        raise ValueError(f"--batch-size {cfg.batch_size} is larger than each worker's shard of the training set "
-                         f"({len(ds.train)} samples / {world_size} workers = {shard}); use a smaller batch or fewer workers")
-    model = build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
-    total = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch(len(ds.train), world_size, cfg.batch_size)
-    if cfg.stop_after is not None and cfg.stop_after >= total:
-        raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {total} steps")
-    if cfg.method not in METHODS:
-        raise ValueError(f"unknown method {cfg.method!r}; choose one of: {', '.join(METHODS)}")
-    group_size, _ = group_layout(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if world_size % group_size:
-        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
-                         f"choose a --group-size that divides the number of workers")
-    if cfg.method == "ab":
-        check_topology(cfg.ab, world_size, group_size)
-        Schedule.from_config(cfg.ab, total)  # a rebound as long as the cycle fails here, not in the workers
-        lowrank.prepare_model(model, full_rank_patterns=cfg.ab.patterns, min_rank=cfg.ab.min_rank)
-    return ds
-
-
-#: A checkpoint is "good" when the training loss since the previous one is finite and at most this many
-#: times the smaller of the best earlier checkpoint's loss and the loss of guessing (ln of the classes).
-DIVERGENCE_FACTOR = 3.0
-
-
-class _Stopped(Exception):
-    """--stop-after reached: leave the method's block without its end-of-training finalize."""
 
 
 class Trainer:
     """One worker's training run.
 
+    ``plan``: the preflight's (a worker that joined a torchrun world in the
+    launcher's process reuses it); without one, the worker makes its own.
     With ``resume=True`` it continues from the run directory's last complete
     checkpoint: every worker loads its own shard, and the run goes on exactly
     as if it had never stopped.
     """
 
-    def __init__(self, cfg: TrainConfig, topo: Topology, run_dir: str, resume: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, topo: Topology, run_dir: str, resume: bool = False,
+                 plan: Plan | None = None) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
         self.is_main = topo.rank == 0
         torch.set_num_threads(cfg.threads or max(1, len(os.sched_getaffinity(0)) // topo.local_world_size))
-        self.dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, block_size=cfg.block_size,
-                                    limit_train=cfg.limit_train, limit_test=cfg.limit_test)
+        plan = plan if plan is not None else preflight(cfg, topo.world_size, topo.local_world_size)
+        self.dataset = plan.dataset
         self.ledger = Ledger(enabled=cfg.ledger)
         self.comm = Communicator(self.ledger, topo.device)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every worker
-        self.model = build_model(cfg.model, self.dataset).to(topo.device)
+        self.model = plan.model.to(topo.device)
         self.params = count_parameters(self.model)
         torch.manual_seed(cfg.seed * 1000 + 1 + topo.rank)  # per-worker stream (dropout)
         self.method = build_method(cfg.method, self.comm, topo, **method_options(cfg))
         self.forward_module = self.method.prepare(self.model)
         self.optimizer = build_optimizer(cfg, self.model)
-        self.steps_per_epoch = steps_per_epoch(len(self.dataset.train), topo.world_size, cfg.batch_size)
-        self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * self.steps_per_epoch
+        self.steps_per_epoch = plan.steps_per_epoch
+        self.total_steps = plan.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
-        self.method.plan(self.total_steps)
+        self.method.set_total_steps(self.total_steps)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self._train_loss_sum = 0.0
         self._train_loss_count = 0
         self.wall = 0.0
+        self._start = 0.0  # perf_counter at the (virtual) start of the run: now - wall time so far
         self.eval_due = False  # an evaluation fell due and waits for the workers to agree on one model
         self.last_checkpoint: int | None = None
-        self._interval_loss = [0.0, 0]  # this worker's training loss since the last checkpoint
-        self.best_loss: float | None = None  # training loss of the best good checkpoint so far
+        self.guard = ckpt.LossGuard(self.dataset.num_classes)  # judges each checkpoint by the training loss
         self.resumes: list[dict[str, Any]] = []  # resumes that changed --lr / --grad-clip, with the step
         self.on_step: Callable[[int], None] | None = None  # called after every optimizer step
         self.saved_config = self._read_saved_config() if self.is_main else None
-        if cfg.stop_after is not None and cfg.stop_after >= self.total_steps:
-            raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {self.total_steps} steps")
+        self.progress: Progress | None = None
+        self.tensorboard: TensorBoard | None = None
         if resume:
             self.load_checkpoint()
             # Every worker must have its shard before any trains: a worker whose shard is refused leaves
@@ -204,7 +86,6 @@ class Trainer:
         return F.cross_entropy(output, y, label_smoothing=self.cfg.label_smoothing)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        self.ledger.phase = self.method.phase
         self.forward_module.train()
         x, y = x.to(self.topo.device, non_blocking=True), y.to(self.topo.device, non_blocking=True)
         loss = self.loss(self.forward_module(x), y)
@@ -218,11 +99,11 @@ class Trainer:
         self.step += 1
         value = loss.detach().item()
         if not math.isfinite(value):
-            raise FloatingPointError(f"the training loss became {value} at step {self.step}{self._advice()}")
+            raise FloatingPointError(f"the training loss became {value} at step {self.step}"
+                                     f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
         self._train_loss_sum += value
         self._train_loss_count += 1
-        self._interval_loss[0] += value
-        self._interval_loss[1] += 1
+        self.guard.add(value)
         self.method.observe_loss(value)
         return value
 
@@ -270,74 +151,96 @@ class Trainer:
 
     def run(self) -> dict[str, Any] | None:
         """Train to the end (returns rank 0's results) or to --stop-after (returns None)."""
-        cfg = self.cfg
-        if self.is_main:
-            print(f"abtrain: {cfg.method} | model {cfg.model} ({self.params:,} parameters) | {cfg.dataset} "
-                  f"({len(self.dataset.train):,} train / {len(self.dataset.test):,} test) | "
-                  f"{self.topo.world_size} workers ({self.topo.backend}, {self.topo.device.type}) | "
-                  f"{self.total_steps} steps ({self.steps_per_epoch} per epoch) | run dir {self.run_dir}", flush=True)
-            if self.step:
-                print(f"abtrain: continuing from the checkpoint of step {self.step}", flush=True)
-        progress = Progress(self.is_main, self.total_steps, cfg.log_every, initial=self.step)
-        tb = TensorBoard(self.run_dir) if self.is_main else None
-        eval_every = cfg.eval_every or self.steps_per_epoch
-        start = time.perf_counter() - self.wall  # wall time of the run, across resumes
-
-        def evaluate() -> None:
-            self.wall = time.perf_counter() - start
-            row = self.evaluate()
-            progress.message(eval_line(row))
-            if tb is not None:
-                tb.add(row)
-
-        def checkpoint() -> None:
-            self.wall = time.perf_counter() - start
-            self.save_checkpoint()
-
+        self._announce()
+        self.progress = Progress(self.is_main, self.total_steps, self.cfg.log_every, initial=self.step)
+        self.tensorboard = TensorBoard(self.run_dir) if self.is_main else None
+        self._start = time.perf_counter() - self.wall  # wall time of the run, across resumes
+        self.method.attach(self.optimizer)
         try:
-            with self.method.attach(self.optimizer):
-                while self.step < self.total_steps:
-                    # Every epoch has exactly steps_per_epoch batches, so the step says where the data order is.
-                    epoch, done = divmod(self.step, self.steps_per_epoch)
-                    order = shard_indices(len(self.dataset.train), self.topo.rank, self.topo.world_size, epoch, cfg.seed)
-                    for x, y in batches(self.dataset.train, order[done * cfg.batch_size:], cfg.batch_size):
-                        loss = self.train_step(x, y)
-                        if self.on_step is not None:
-                            self.on_step(self.step)
-                        progress.step(self.step, {"phase": self.method.phase, "loss": loss,
-                                                  "wire": self.ledger.wire_total, "global": self.ledger.global_wire_total})
-                        self.eval_due = self.eval_due or self.step % eval_every == 0
-                        # Evaluate a model every worker holds: methods whose workers drift apart
-                        # (AB phases) defer the evaluation to their next point of agreement.
-                        if self.eval_due and self.step < self.total_steps and self.method.ready_for_evaluation():
-                            evaluate()
-                            self.eval_due = False
-                        if self.step >= self.total_steps:
-                            break
-                        if self.step == cfg.stop_after:
-                            checkpoint()
-                            raise _Stopped
-                        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                            checkpoint()
-                # The state right after the last optimizer step, before the method's finalize: a worker
-                # that dies during the final evaluation restarts from here and finishes the same way.
-                if self.last_checkpoint != self.step:
-                    checkpoint()
-        except _Stopped:
-            progress.close()
-            if tb is not None:
-                tb.close()
-            if self.is_main:
-                write_status(self.run_dir, "stopped", step=self.step,
-                             resume=f"abtrain train --resume {self.run_dir}")
-                print(f"abtrain: stopped after step {self.step} of {self.total_steps}; checkpoint in "
-                      f"{ckpt.checkpoint_root(self.run_dir)}; continue with: abtrain train --resume {self.run_dir}",
-                      flush=True)
+            stopped = self._train_to_end_or_stop()
+        except BaseException:
+            self.method.detach(finalize=False)  # a final collective could hang when other workers did not fail
+            raise
+        # The end of training runs the method's final step (one model on every worker); a stop does not.
+        self.method.detach(finalize=not stopped)
+        if stopped:
+            self._close_outputs()
+            self._report_stop()
             return None
-        evaluate()  # after the block: the method's finalize has brought every worker to one model
-        progress.close()
-        self.wall = time.perf_counter() - start
-        return self.finish(tb)
+        self._evaluate_and_report()  # after the final step: every worker holds one model
+        self._close_outputs()
+        self.wall = time.perf_counter() - self._start
+        return self.finish()
+
+    def _announce(self) -> None:
+        if not self.is_main:
+            return
+        cfg = self.cfg
+        print(f"abtrain: {cfg.method} | model {cfg.model} ({self.params:,} parameters) | {cfg.dataset} "
+              f"({len(self.dataset.train):,} train / {len(self.dataset.test):,} test) | "
+              f"{self.topo.world_size} workers ({self.topo.backend}, {self.topo.device.type}) | "
+              f"{self.total_steps} steps ({self.steps_per_epoch} per epoch) | run dir {self.run_dir}", flush=True)
+        if self.step:
+            print(f"abtrain: continuing from the checkpoint of step {self.step}", flush=True)
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This worker's batches from the current step to the end of the run."""
+        while self.step < self.total_steps:
+            # Every epoch has exactly steps_per_epoch batches, so the step says where the data order is.
+            epoch, done = divmod(self.step, self.steps_per_epoch)
+            order = shard_indices(len(self.dataset.train), self.topo.rank, self.topo.world_size, epoch, self.cfg.seed)
+            yield from batches(self.dataset.train, order[done * self.cfg.batch_size:], self.cfg.batch_size)
+
+    def _train_to_end_or_stop(self) -> bool:
+        """The steps of the run with their evaluations and checkpoints; True when --stop-after ended it."""
+        cfg = self.cfg
+        eval_every = cfg.eval_every or self.steps_per_epoch
+        assert self.progress is not None
+        for x, y in self._batches():
+            loss = self.train_step(x, y)
+            if self.on_step is not None:
+                self.on_step(self.step)
+            self.progress.step(self.step, {"phase": self.method.phase, "loss": loss,
+                                           "wire": self.ledger.wire_total, "global": self.ledger.global_wire_total})
+            self.eval_due = self.eval_due or self.step % eval_every == 0
+            # Evaluate a model every worker holds: methods whose workers drift apart
+            # (AB phases) defer the evaluation to their next point of agreement.
+            if self.eval_due and self.step < self.total_steps and self.method.ready_for_evaluation():
+                self._evaluate_and_report()
+                self.eval_due = False
+            if self.step >= self.total_steps:
+                break
+            if self.step == cfg.stop_after:
+                self.save_checkpoint()
+                return True
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        # The state right after the last optimizer step, before the method's final step: a worker
+        # that dies during the final evaluation restarts from here and finishes the same way.
+        if self.last_checkpoint != self.step:
+            self.save_checkpoint()
+        return False
+
+    def _evaluate_and_report(self) -> None:
+        self.wall = time.perf_counter() - self._start
+        row = self.evaluate()
+        if self.progress is not None:
+            self.progress.message(eval_line(row))
+        if self.tensorboard is not None:
+            self.tensorboard.add(row)
+
+    def _close_outputs(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+    def _report_stop(self) -> None:
+        if self.is_main:
+            write_status(self.run_dir, "stopped", step=self.step, resume=f"abtrain train --resume {self.run_dir}")
+            print(f"abtrain: stopped after step {self.step} of {self.total_steps}; checkpoint in "
+                  f"{ckpt.checkpoint_root(self.run_dir)}; continue with: abtrain train --resume {self.run_dir}",
+                  flush=True)
 
     # -- checkpoints -------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
@@ -364,7 +267,7 @@ class Trainer:
             "train_loss": [self._train_loss_sum, self._train_loss_count],
             "eval_due": self.eval_due,
             "wall_seconds": self.wall,
-            "guard": {"interval_loss": list(self._interval_loss), "best_loss": self.best_loss},
+            "guard": self.guard.state_dict(),
             "settings": self.settings(),
             "resumes": self.resumes,
         }
@@ -399,9 +302,7 @@ class Trainer:
         self._train_loss_sum, self._train_loss_count = state["train_loss"]
         self.eval_due = state["eval_due"]
         self.wall = state["wall_seconds"]
-        guard = state.get("guard") or {}
-        self._interval_loss = list(guard.get("interval_loss", [0.0, 0]))
-        self.best_loss = guard.get("best_loss")
+        self.guard.load_state_dict(state.get("guard"))
         self.resumes = list(state.get("resumes", []))
         before = state.get("settings") or {"lr": self.scheduler.base_lrs[0], "grad_clip": self.cfg.grad_clip}
         changed = {k: v for k, v in self.settings().items() if before.get(k) != v}
@@ -420,19 +321,12 @@ class Trainer:
 
     def load_checkpoint(self) -> None:
         """Load this worker's shard of the run directory's last complete checkpoint."""
-        manifest = ckpt.read_manifest(self.run_dir)
-        if manifest is None:
-            raise ValueError(f"run directory {self.run_dir} has no complete checkpoint to continue from")
-        ckpt.check_manifest(manifest, {k: v for k, v in self._meta().items() if k != "params"},
-                            ckpt.checkpoint_root(self.run_dir))
-        state = ckpt.load_shard(ckpt.shard_path(self.run_dir, manifest, self.topo.rank))
-        if state.get("step") != manifest["step"]:
-            raise ValueError(f"checkpoint shard of worker {self.topo.rank} is for step {state.get('step')}, "
-                             f"the manifest for step {manifest['step']}")
+        expected = {k: v for k, v in self._meta().items() if k != "params"}
+        state = ckpt.load(self.run_dir, self.topo.rank, expected)
         try:
             self.load_state_dict(state)
         except (KeyError, TypeError, IndexError) as exc:
-            raise ValueError(f"checkpoint of step {manifest['step']} lacks or garbles its {exc} entry") from None
+            raise ValueError(f"checkpoint of step {state['step']} lacks or garbles its {exc} entry") from None
         self.last_checkpoint = self.step
 
     def _non_finite(self) -> str | None:
@@ -450,113 +344,37 @@ class Trainer:
             return None
         return saved if isinstance(saved, dict) else None
 
-    def _good(self) -> tuple[int, float | None] | None:
-        """Step and training loss of the run's last good checkpoint (the one the manifest names)."""
-        try:
-            manifest = ckpt.read_manifest(self.run_dir)
-        except ValueError:
-            return None
-        return None if manifest is None else (manifest["step"], manifest.get("train_loss"))
-
-    def _kept(self) -> str:
-        good = self._good()
-        if good is None:
-            return ""
-        return f" (the last good checkpoint, of step {good[0]}, is kept in {ckpt.checkpoint_root(self.run_dir)})"
-
-    def _advice(self) -> str:
-        """How to continue after a divergence: resume the last good checkpoint with a lower LR or a clip."""
-        good = self._good()
-        if good is None:
-            return "; lower --lr or set --grad-clip"
-        loss = f" (training loss {good[1]:.4g})" if isinstance(good[1], float) else ""
-        return (f"; the last good checkpoint, of step {good[0]}{loss}, is kept: continue with a lower learning "
-                f"rate, 'abtrain train --resume {self.run_dir} --lr {self.cfg.lr / 10:g}', or with --grad-clip")
-
-    def _judge(self) -> tuple[bool, float | None]:
-        """Is this checkpoint good? Rank 0's training loss since the previous checkpoint against the limit."""
-        total, count = self._interval_loss
-        if not count:
-            return True, None
-        loss = total / count
-        guess = math.log(max(2, self.dataset.num_classes))
-        reference = guess if self.best_loss is None else min(self.best_loss, guess)
-        return loss <= DIVERGENCE_FACTOR * reference, loss
-
     def save_checkpoint(self) -> None:
         """Write this worker's shard; rank 0 declares the checkpoint complete once every worker has written."""
+        self.wall = time.perf_counter() - self._start
         bad = self._non_finite()
         if bad is not None:
             raise FloatingPointError(f"{bad} holds inf or nan after step {self.step}; no checkpoint written"
-                                     f"{self._advice()}")
-        good, loss = self._judge()
-        if good and loss is not None:
-            self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
-        self._interval_loss = [0.0, 0]
-        directory = ckpt.step_dir(self.run_dir, self.step)
-        try:
-            ckpt.save_shard(os.path.join(directory, ckpt.shard_name(self.topo.rank)), self.state_dict())
-            # A plain barrier (no data, not in the ledger): the manifest may only name shards that exist.
-            self.comm.barrier(self.topo.world)
-            if self.is_main and good:
-                ckpt.write_manifest(self.run_dir, self.step, self.topo.world_size,
-                                    {**{k: v for k, v in self._meta().items() if k != "params"},
-                                     "config": self.saved_config, "settings": self.settings(), "train_loss": loss})
-        except (OSError, RuntimeError) as exc:
-            if not is_no_space(exc):
-                raise
-            shutil.rmtree(directory, ignore_errors=True)  # never named by the manifest: free the space
-            previous = self._good()
-            raise NoSpaceError(f"no space left on device while writing the checkpoint of step {self.step} in "
-                               f"{ckpt.checkpoint_root(self.run_dir)}; " + (
-                                   f"the checkpoint of step {previous[0]} is intact" if previous
-                                   else "no earlier checkpoint exists")) from None
-        if self.is_main and not good:
-            shutil.rmtree(directory, ignore_errors=True)
-            previous = self._good()
-            print(f"abtrain: warning: training loss {loss:.4g} since the previous checkpoint is far above the "
-                  f"run's best; the checkpoint of step {self.step} is not kept as good"
-                  + (f" (the last good one is of step {previous[0]})" if previous else ""), flush=True)
+                                     f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
+        good, loss = self.guard.judge()
+        manifest = None
+        if self.is_main:
+            manifest = {**{k: v for k, v in self._meta().items() if k != "params"},
+                        "config": self.saved_config, "settings": self.settings(), "train_loss": loss}
+        ckpt.save(self.run_dir, self.step, self.topo.rank, self.state_dict(), lambda: self.comm.barrier(self.topo.world),
+                  manifest, self.topo.world_size, good, loss)
         self.last_checkpoint = self.step
 
-    def finish(self, tb: TensorBoard | None) -> dict[str, Any] | None:
+    # -- the end -----------------------------------------------------------
+    def finish(self) -> dict[str, Any] | None:
+        """Rank 0 writes results.json, metrics.csv and model.pt (collective: the ledger's mean over workers)."""
         with self.ledger.in_phase("eval"):
             rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=self.topo.device)
             self.comm.all_reduce(rss, self.topo.world, op="max")
             comm = self.comm.mean_summary(self.topo.world)
-        if tb is not None:
-            tb.close()
         if not self.is_main:
             return None
-        last = self.history[-1]
-        results = {
-            "status": "complete",
-            "method": self.cfg.method,
-            "model": self.cfg.model,
-            "dataset": self.cfg.dataset,
-            "world_size": self.topo.world_size,
-            "group_size": self.topo.group_size,
-            "backend": self.topo.backend,
-            "device": self.topo.device.type,
-            "steps": self.step,
-            "epochs": round(self.step / self.steps_per_epoch, 4),
-            "steps_per_epoch": self.steps_per_epoch,
-            "params": self.params,
-            "final": {k: last[k] for k in ("test_accuracy", "test_loss", "test_perplexity", "train_loss")},
-            "wall_seconds": self.wall,
-            "peak_rss_bytes": int(rss.item()),
-            "comm": comm,
-            "ddp_equivalent": ddp_equivalent(self.params, self.topo.world_size, self.topo.group_size, self.step),
-            **self.method.extra_results(),
-            "resumes": self.resumes,
-            "history": self.history,
-            "config": self.cfg.to_dict(),
-            "abtrain_version": __version__,
-            "torch_version": torch.__version__,
-        }
+        results = results_record(self.cfg, self.topo, self.history, self.step, self.steps_per_epoch, self.params,
+                                 self.wall, int(rss.item()), comm, self.method.extra_results(), self.resumes)
         bad = self._non_finite()
         if bad is not None:
-            raise FloatingPointError(f"{bad} holds inf or nan at the end of training{self._kept()}")
+            raise FloatingPointError(f"{bad} holds inf or nan at the end of training"
+                                     f"{ckpt.last_good_note(self.run_dir)}")
         try:
             # Plain weights (W = A·B where low rank) that load into the model class; checkpoints keep the factors.
             ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.method.export())
@@ -565,11 +383,11 @@ class Trainer:
         except (OSError, RuntimeError) as exc:
             if not is_no_space(exc):
                 raise
-            previous = self._good()
+            previous = ckpt.last_good(self.run_dir)
             raise NoSpaceError(f"no space left on device while writing the results in {self.run_dir}; "
-                                   + (f"the checkpoint of step {previous[0]} is intact: free space and continue with "
-                                      f"'abtrain train --resume {self.run_dir}'" if previous else
-                                      "no checkpoint exists")) from None
+                               + (f"the checkpoint of step {previous[0]} is intact: free space and continue with "
+                                  f"'abtrain train --resume {self.run_dir}'" if previous else
+                                  "no checkpoint exists")) from None
         write_status(self.run_dir, "complete")
         print(summary_table(results, self.run_dir), flush=True)
         return results

@@ -1,4 +1,4 @@
-"""Type checks shared by the option dataclasses.
+"""Type checks and the base class shared by the option dataclasses.
 
 A value of the wrong type (a string for a number, a float for a count, NaN)
 must be reported as a ``ValueError`` naming the flag, not surface later as a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 
 def _type_name(annotation: Any) -> str:
@@ -55,3 +55,41 @@ def check_types(obj: Any, flag_prefix: str = "--") -> None:
             if not math.isfinite(value):
                 raise ValueError(f"{flag} must be a finite number, got {value!r}")
             setattr(obj, f.name, value)
+
+
+def opt(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field with its help text (and e.g. ``choices=``), from which the CLI builds the flag."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass
+class Options:
+    """Base of a method's options dataclass (the flags ``--<section>-<name>``, the TOML table ``[<section>]``).
+
+    A subclass sets ``section`` (the method's name) and puts its value checks
+    in :meth:`check`; types and ``choices=`` are checked here first, so that a
+    check can rely on them.
+    """
+
+    section: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_types(self, f"--{self.section}-")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"unknown {self.flag(f.name)} {getattr(self, f.name)!r}; "
+                                 f"choose one of: {', '.join(choices)}")
+        self.check()
+
+    def check(self) -> None:
+        """The values' own rules (ranges, combinations); raise a ValueError that names the flag."""
+
+    def flag(self, name: str) -> str:
+        """The command-line flag of option ``name``."""
+        return f"--{self.section}-{name.replace('_', '-')}"
+
+    def require(self, name: str, ok: bool, what: str) -> None:
+        """Raise ``<flag> must be <what>, got <value>`` unless ``ok``."""
+        if not ok:
+            raise ValueError(f"{self.flag(name)} must be {what}, got {getattr(self, name)!r}")

@@ -24,7 +24,8 @@ from .lowrank import SVDError
 from .results import NoSpaceError, read_status, write_status
 from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard, die_with_parent
 from .topology import Topology
-from .train import Trainer, group_layout
+from .plan import Plan, group_layout
+from .train import Trainer
 
 #: What a worker's error means: (kind in status.json, exit code, whether a restart may help).
 #: "input" and "diverged" repeat the same way on a restart; a lost peer or an unexpected error may not.
@@ -78,12 +79,13 @@ def _fail(run_dir: str, error: str, kind: str, retry: bool, step: int | None, **
 
 
 def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, report: bool = False,
-                board: str | None = None) -> None:
+                board: str | None = None, plan: Plan | None = None) -> None:
     """Entry point of one worker process (local launcher, torchrun or srun).
 
     After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) the worker
     continues from the run directory's checkpoint when there is one.
     ``board``: the launcher's step board file, where this worker reports each completed step.
+    ``plan``: the launcher's preflight plan when this process is the launcher too (torchrun, srun).
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Ctrl-C and the launcher's SIGTERM end a worker at once and quietly, even inside a blocking
@@ -104,7 +106,10 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
     trainer: Trainer | None = None
     steps: StepBoard | None = None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    group_size, note = group_layout(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if plan is not None:
+        group_size, note = plan.group_size, plan.group_note
+    else:
+        group_size, note = group_layout(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     try:
         topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=group_size,
                                  timeout_s=cfg.timeout)
@@ -113,11 +118,11 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
             print(f"abtrain: error: {exc}", file=sys.stderr, flush=True)
         _fail(run_dir, str(exc), "input", False, None, exit_code=EXIT_INPUT)
         raise SystemExit(EXIT_INPUT) from None
-    if topo.rank == 0 and note is not None and not (cfg.method == "ab" and cfg.ab.quiet):
+    if topo.rank == 0 and note is not None:
         print(f"abtrain: {note}", flush=True)
     try:
         resume = resume or (restarts > 0 and ckpt.read_manifest(run_dir) is not None)
-        trainer = Trainer(cfg, topo, run_dir, resume=resume)
+        trainer = Trainer(cfg, topo, run_dir, resume=resume, plan=plan)
         if board is not None:
             steps = StepBoard(board, topo.rank)
             steps.set(trainer.step)

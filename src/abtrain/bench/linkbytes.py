@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..results import human_bytes
-from .projection import group_size_of
+from .projection import row_group_size
 
 TOLERANCE = 0.10  # measured / expected within ±10 %
 
@@ -42,7 +42,7 @@ def expected_link_tx(rows: list[dict[str, Any]], world: int, node_size: int) -> 
     for row in rows:
         if row["calls"] == 0 or row["payload_bytes"] <= 0:
             continue
-        p = min(world, group_size_of(row["op"], row["payload_bytes"], row["wire_bytes"]))
+        p = row_group_size(row, world)
         if p <= g:
             continue  # the group sits inside one node (groups are nodes): only the node's loopback sees it
         instances = world / p  # the group's copies over the world (one for the world itself)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .report import ordered_phases
+PHASE_ORDER = ("setup", "warmup", "train", "ab", "sync", "rebound", "local", "average", "inner", "outer", "eval")
+
+
+def ordered_phases(names: set[str]) -> list[str]:
+    """Phases in the order a run goes through them; unknown labels last, alphabetically."""
+    return sorted(names, key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER), p))
 
 SCOPES = (("global", "between groups (global)"), ("group", "inside groups"))
 

@@ -63,7 +63,8 @@ def collective_seconds(op: str, payload_bytes: float, p: int, bandwidth: float, 
 
 
 def group_size_of(op: str, payload_bytes: float, wire: float) -> int:
-    """The group size a ledger row was counted for, recovered from its wire/payload ratio."""
+    """The group size a ledger row was counted for, recovered from its wire/payload ratio (for rows
+    without ``group_size``; see :func:`row_group_size`)."""
     if payload_bytes <= 0 or wire <= 0:
         return 1
     r = wire / payload_bytes
@@ -74,6 +75,14 @@ def group_size_of(op: str, payload_bytes: float, wire: float) -> int:
     if op == "all_gather":  # r = p-1
         return round(r) + 1
     raise ValueError(f"unknown collective {op!r}")
+
+
+def row_group_size(row: dict[str, Any], world: int) -> int:
+    """The size of the group a ledger row was counted for: the row's ``group_size``; rows of results
+    written before the ledger recorded it, from their wire/payload ratio."""
+    if "group_size" in row:
+        return int(row["group_size"])
+    return min(world, group_size_of(row["op"], row["payload_bytes"], row["wire_bytes"]))
 
 
 def comm_seconds_per_step(results: dict[str, Any], workers: int, model: NetworkModel, scale: float = 1.0) -> float:
@@ -89,7 +98,7 @@ def comm_seconds_per_step(results: dict[str, Any], workers: int, model: NetworkM
         if row["phase"] == "setup" or row["calls"] == 0:
             continue
         payload = scale * row["payload_bytes"] / row["calls"]
-        p_run = min(world, group_size_of(row["op"], row["payload_bytes"], row["wire_bytes"]))
+        p_run = row_group_size(row, world)
         if row["scope"] == "group":
             p, bw, lat = min(model.node_size, workers), model.intra_bw, model.intra_latency
         else:

@@ -16,19 +16,12 @@ from .._version import __version__
 from ..results import atomic_write, human_bytes, write_json
 from .linkbytes import link_check
 from .linkbytes import render as render_links
+from .plots import ordered_phases
 from .projection import project, project_scaled, render_scaled
 from .workloads import Workload
 
 if TYPE_CHECKING:
     from .runner import BenchConfig, Outcome
-
-
-PHASE_ORDER = ("setup", "warmup", "train", "ab", "sync", "rebound", "local", "average", "inner", "outer", "eval")
-
-
-def ordered_phases(names: set[str]) -> list[str]:
-    """Phases in the order a run goes through them; unknown labels last, alphabetically."""
-    return sorted(names, key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER), p))
 
 
 def metric_of(results: dict[str, Any], metric: str) -> float | None:

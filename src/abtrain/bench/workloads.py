@@ -3,7 +3,7 @@
 A workload fixes what a fair comparison must hold equal across methods: model,
 data, seed, number of workers, ``--group-size`` (so that the scopes ``group``
 and ``global`` mean the same thing for every method) and the step budget. Each
-method may add its own flags (AB-training's schedule, scaled to the budget).
+method may add its own flags (the tiny workload takes each method's ``short_run_args``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..data import steps_per_epoch
+from ..methods import registry
 
-DEFAULT_METHODS = ("none", "ddp", "powersgd", "localsgd", "diloco", "ef21", "onebit", "hlocalsgd", "ab")
+#: What ``abtrain bench`` runs without ``--methods``: the methods that ask for it in their registration.
+DEFAULT_METHODS = tuple(registry.bench_defaults())
 
 FASHION_TRAIN = 60_000  # Fashion-MNIST's training split
 SHAKESPEARE_STEPS = 2000
@@ -100,10 +102,7 @@ def tiny(quick: bool = False) -> Workload:
     args = ["--model", "mlp", "--dataset", "synthetic", "--workers", "2", "--group-size", "1", "--steps", str(steps),
             "--batch-size", "16", "--limit-test", "128", "--eval-every", "4", "--log-every", "4", "--seed", "0"]
     return Workload("tiny", "MLP on synthetic data, 2 workers (groups of 1), 8 steps: a smoke test", args, steps,
-                    method_args={"ab": ["--ab-warmup-steps", "2", "--ab-cycle-steps", "3", "--ab-rebound-steps", "1",
-                                        "--ab-lr-rebound-steps", "0"],
-                                 "localsgd": ["--localsgd-h", "2"], "diloco": ["--diloco-h", "2"],
-                                 "powersgd": ["--powersgd-start-iter", "2"]})
+                    method_args={s.name: list(s.short_run_args) for s in registry.specs() if s.short_run_args})
 
 
 WORKLOADS: dict[str, Callable[[bool], Workload]] = {

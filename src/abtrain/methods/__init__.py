@@ -1,44 +1,62 @@
-"""Communication methods behind one interface, chosen by name."""
+"""Communication methods behind one interface, chosen by name from the registry.
+
+Every module of this package is imported here, and each registers its method
+(:mod:`.registry`), so a new method is one new file.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterator, Mapping
 
 from ..comm import Communicator
 from ..topology import Topology
+from . import registry
 from .base import Method
-from .ab import ABConfig, ABTraining
-from .bf16 import BF16DDPMethod
-from .ddp import DDPMethod
-from .diloco import DiLoCo, DiLoCoConfig
-from .ef21 import EF21, EF21Config
-from .hlocalsgd import HLocalSGD, HLocalSGDConfig
-from .localsgd import LocalSGD, LocalSGDConfig
-from .none import NoCommunication
-from .onebit import OneBit, OneBitConfig
-from .powersgd import PowerSGD, PowerSGDConfig
 
-METHODS: dict[str, Callable[..., Method]] = {
-    "ddp": DDPMethod,
-    "ab": ABTraining,
-    "ddp-bf16": BF16DDPMethod,
-    "powersgd": PowerSGD,
-    "localsgd": LocalSGD,
-    "diloco": DiLoCo,
-    "ef21": EF21,
-    "onebit": OneBit,
-    "hlocalsgd": HLocalSGD,
-    "none": NoCommunication,
-}
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+registry.import_plugins()
+
+from .ab import ABConfig, ABTraining  # noqa: E402  (re-exports for the public API)
+from .bf16 import BF16DDPMethod  # noqa: E402
+from .ddp import DDPMethod  # noqa: E402
+from .diloco import DiLoCo, DiLoCoConfig  # noqa: E402
+from .ef21 import EF21, EF21Config  # noqa: E402
+from .hlocalsgd import HLocalSGD, HLocalSGDConfig  # noqa: E402
+from .localsgd import LocalSGD, LocalSGDConfig  # noqa: E402
+from .none import NoCommunication  # noqa: E402
+from .onebit import OneBit, OneBitConfig  # noqa: E402
+from .powersgd import PowerSGD, PowerSGDConfig  # noqa: E402
+
+
+class _Methods(Mapping[str, Callable[..., Method]]):
+    """``name -> method class`` of every registered method, in the registry's order (a live view)."""
+
+    def __getitem__(self, name: str) -> Callable[..., Method]:
+        if name not in self:
+            raise KeyError(name)
+        return registry.get(name).build
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.names())
+
+    def __len__(self) -> int:
+        return len(registry.names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in registry.names()
+
+
+METHODS: Mapping[str, Callable[..., Method]] = _Methods()
 
 
 def build_method(name: str, comm: Communicator, topo: Topology, **options) -> Method:
     """Build the method registered under ``name`` with its options."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
-    return METHODS[name](comm, topo, **options)
+    return registry.get(name).build(comm, topo, **options)
 
 
 __all__ = ["ABConfig", "ABTraining", "BF16DDPMethod", "DDPMethod", "DiLoCo", "DiLoCoConfig", "EF21", "EF21Config",
            "HLocalSGD", "HLocalSGDConfig", "LocalSGD", "LocalSGDConfig", "METHODS", "Method", "NoCommunication",
-           "OneBit", "OneBitConfig", "PowerSGD", "PowerSGDConfig", "build_method"]
+           "OneBit", "OneBitConfig", "PowerSGD", "PowerSGDConfig", "build_method", "registry"]

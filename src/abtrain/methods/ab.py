@@ -18,9 +18,10 @@ optimizer steps ``t`` and, by default, scales with the run (the fractions of
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +32,9 @@ from .. import lowrank
 from ..comm import Communicator, Group
 from ..reducers import DENSE_REDUCERS, build_reducer
 from ..topology import Topology
+from ..validate import Options, opt
 from .base import Method, optimizer_moments
-from ..validate import check_types
+from .registry import MethodSpec, register
 
 log = logging.getLogger(__name__)
 
@@ -47,46 +49,42 @@ LOSS_JUMP = 1.5  # a truncation that lifts the training loss by this factor is r
 LOSS_WINDOW = 10  # steps of training loss compared before and after a truncation
 
 
-def _opt(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
-
-
 @dataclass
-class ABConfig:
+class ABConfig(Options):
     """Options of AB-training; the CLI exposes each as ``--ab-<name>``."""
 
-    warmup_fraction: float = _opt(0.25, "share of the run's steps trained full-rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
-    cycle_fraction: float = _opt(0.06, "sync period K as a share of the run's steps (0.06: about 12 syncs after a 25 %% warm-up); --ab-cycle-steps overrides it")
-    rebound_fraction: float = _opt(0.1, "full-rank DP steps after each sync (F) as a share of K; --ab-rebound-steps overrides it")
-    lr_rebound_fraction: float = _opt(0.3, "learning-rate ramp after each phase switch (R) as a share of K (0 disables); --ab-lr-rebound-steps overrides it")
-    warmup_steps: int | None = _opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
-    cycle_steps: int | None = _opt(None, "steps per cycle K, instead of the fraction: a sync at every multiple of K after warm-up")
-    rebound_steps: int | None = _opt(None, "full-rank DP steps after each sync (F < K), instead of the fraction; 0 re-decomposes right after the sync")
-    lr_rebound_steps: int | None = _opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
-    tau: float | None = _opt(None, "relative rank cut-off: keep singular values > tau * sigma_1 (the rule used, with 0.15, when no other rank rule is given)")
-    rank: int | None = _opt(None, "fixed rank for every factorised layer")
-    rank_fraction: float | None = _opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
-    energy: float | None = _opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
-    min_rank: int = _opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
-    min_compression: float | None = _opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
-    truncate_first: bool = _opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
-    sync: str = _opt("with-stale", "sync mode", choices=SYNC_MODES)
-    only_b_groups: str = _opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
-    independent: bool = _opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
-    final_rebound_steps: int = _opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
-    lr_floor: float = _opt(1e-5, "learning rate right after a phase switch")
-    split: str = _opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
-    optimizer_state: str = _opt("keep", "keep (resized) or reset the optimizer state of factors at each decomposition", choices=STATE_POLICIES)
-    init: str = _opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
-    full_rank: str = _opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
-    dense_comm: str = _opt("fp32", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
-    powersgd_rank: int = _opt(4, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
-    sync_dtype: str = _opt("fp32", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
-    keep_output: bool = _opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
-    quiet: bool = _opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
+    section = "ab"
+    warmup_fraction: float = opt(0.25, "share of the run's steps trained full-rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
+    cycle_fraction: float = opt(0.06, "sync period K as a share of the run's steps (0.06: about 12 syncs after a 25 %% warm-up); --ab-cycle-steps overrides it")
+    rebound_fraction: float = opt(0.1, "full-rank DP steps after each sync (F) as a share of K; --ab-rebound-steps overrides it")
+    lr_rebound_fraction: float = opt(0.3, "learning-rate ramp after each phase switch (R) as a share of K (0 disables); --ab-lr-rebound-steps overrides it")
+    warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
+    cycle_steps: int | None = opt(None, "steps per cycle K, instead of the fraction: a sync at every multiple of K after warm-up")
+    rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F < K), instead of the fraction; 0 re-decomposes right after the sync")
+    lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
+    tau: float | None = opt(None, "relative rank cut-off: keep singular values > tau * sigma_1 (the rule used, with 0.15, when no other rank rule is given)")
+    rank: int | None = opt(None, "fixed rank for every factorised layer")
+    rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
+    energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
+    min_rank: int = opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
+    min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
+    truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
+    sync: str = opt("with-stale", "sync mode", choices=SYNC_MODES)
+    only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
+    independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
+    final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
+    lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
+    split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
+    optimizer_state: str = opt("keep", "keep (resized) or reset the optimizer state of factors at each decomposition", choices=STATE_POLICIES)
+    init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
+    full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
+    dense_comm: str = opt("fp32", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
+    powersgd_rank: int = opt(4, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
+    sync_dtype: str = opt("fp32", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
+    keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
+    quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
-    def __post_init__(self) -> None:
-        check_types(self, "--ab-")
+    def check(self) -> None:
         for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -115,11 +113,6 @@ class ABConfig:
             raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
-        for name, choices in (("sync", SYNC_MODES), ("only_b_groups", ONLY_B_GROUPS), ("split", SPLITS),
-                              ("dense_comm", DENSE_REDUCERS), ("sync_dtype", SYNC_DTYPES),
-                              ("optimizer_state", STATE_POLICIES), ("init", INITS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"unknown --ab-{name.replace('_', '-')} {getattr(self, name)!r}; choose one of: {', '.join(choices)}")
 
     @property
     def needs_budget(self) -> bool:
@@ -188,7 +181,7 @@ class Schedule:
         """Steps from the config: absolute options where given, else the fractions of ``total``."""
         if cfg.needs_budget and total is None:
             raise ValueError("AB-training's schedule is set as fractions of the run: give it the run's length "
-                             "(abtrain.setup(..., total_steps=N) or method.plan(N)), or set warmup_steps and "
+                             "(abtrain.setup(..., total_steps=N) or method.set_total_steps(N)), or set warmup_steps and "
                              "cycle_steps (--ab-warmup-steps, --ab-cycle-steps)")
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_fraction * total)
         cycle = cfg.cycle_steps if cfg.cycle_steps is not None else max(2, round(cfg.cycle_fraction * total))
@@ -272,10 +265,10 @@ class ABTraining(Method):
         self.sync_seconds = 0.0
         self.ratio: float | None = None
         if not self.cfg.needs_budget:
-            self.plan(None)
+            self.set_total_steps(None)
 
     # -- schedule --------------------------------------------------------
-    def plan(self, total_steps: int | None) -> None:
+    def set_total_steps(self, total_steps: int | None) -> None:
         """Fix the schedule for a run of ``total_steps`` optimizer steps (None: absolute options only)."""
         self.schedule = Schedule.from_config(self.cfg, total_steps)
         self.say(f"AB-training schedule: {self.schedule.describe()} ({self.topo.num_groups} groups of "
@@ -369,7 +362,6 @@ class ABTraining(Method):
             self.dense.reduce(named, self.topo.world)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.comm.ledger.phase = self.phase
         self.reduce_gradients()
         self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
         scale = self.lr_scale()
@@ -411,7 +403,6 @@ class ABTraining(Method):
             self._decompose(optimizer, truncate=self.cfg.truncate_first or bool(self.ranks))
         if sync or decompose or self.phase_at(self.t) != self.phase_at(self.t - 1):
             self._switch_step = self.t
-        self.comm.ledger.phase = self.phase
 
     @torch.no_grad()
     def _keep_output_full(self) -> None:
@@ -621,3 +612,26 @@ class ABTraining(Method):
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)
         lowrank.set_trainable(self.records, self._trained_role())
+
+
+# -- the registry's view of AB-training -------------------------------------
+def _group_layout(cfg: ABConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
+    g = default_group_size(world_size, local_world_size, cfg)
+    per_node = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
+    if g == per_node or cfg.quiet:
+        return g, None
+    return g, (f"AB-training: one node of {world_size} workers: {world_size // g} groups of {g} "
+               f"(--group-size to choose)")
+
+
+def _check_run(cfg: ABConfig, model: nn.Module, total_steps: int) -> None:
+    Schedule.from_config(cfg, total_steps)  # a rebound as long as the cycle fails here, not in the workers
+    lowrank.prepare_model(copy.deepcopy(model), full_rank_patterns=cfg.patterns, min_rank=cfg.min_rank)
+
+
+register(MethodSpec("ab", ABTraining, "AB-training", "low-rank factors trained by independent groups, periodic sync "
+                    "and full-rank rebound (docs/ab-training.md); the schedule scales with the run unless given "
+                    "in steps", options=ABConfig, order=20, bench=8,
+                    short_run_args=("--ab-warmup-steps", "2", "--ab-cycle-steps", "3", "--ab-rebound-steps", "1",
+                                    "--ab-lr-rebound-steps", "0"),
+                    check_topology=check_topology, check_run=_check_run, group_layout=_group_layout))

@@ -34,7 +34,8 @@ class Method:
             evaluate(model)
         method.detach()                        # the final step (a last average or sync), hooks removed
 
-    ``phase`` is the label the ledger puts on the traffic of the current step.
+    ``phase`` is the label the ledger puts on the traffic of the current step
+    (the ledger reads it from the attached method).
     """
 
     name = "base"
@@ -75,18 +76,21 @@ class Method:
         except BaseException:
             self._unhook()
             raise
-        self.comm.ledger.phase = self.phase
+        self.comm.ledger.follow(self)  # the ledger labels unlabelled traffic with self.phase from here on
         return Attachment(self)
 
-    def detach(self) -> None:
+    def detach(self, finalize: bool = True) -> None:
         """Finalize (e.g. a last sync, so every worker holds one model) and remove the optimizer hooks.
 
         Collective: every worker calls it. Does nothing when the method is not attached.
+        ``finalize=False`` only removes the hooks: the run stops here to be continued
+        (the workers may still differ), or leaves on an error.
         """
         if self._attached is None:
             return
         try:
-            self.finalize(self._attached[0])
+            if finalize:
+                self.finalize(self._attached[0])
         finally:
             self._unhook()
 
@@ -195,7 +199,7 @@ class Method:
         bufs = [b for b in self.module.buffers() if b.is_floating_point()]
         self.comm.all_reduce_tensors(bufs, self.topo.world, average=True)
 
-    def plan(self, total_steps: int) -> None:
+    def set_total_steps(self, total_steps: int) -> None:
         """Tell the method the step budget (methods whose schedule depends on it use this)."""
 
     def in_consensus(self) -> bool:
@@ -253,57 +257,57 @@ class Attachment:
 
 
 class PeriodicMethod(Method):
-    """Workers train apart and meet every ``h`` optimizer steps in one :meth:`meet` (local SGD, DiLoCo).
+    """Workers train apart and are brought to one model every ``h`` optimizer steps by one
+    :meth:`synchronize` (local SGD, DiLoCo, hierarchical local SGD).
 
-    The step ending with a meeting is labelled ``meet_phase`` in the ledger, the
-    others ``apart_phase``. Leaving :meth:`attach` meets once more if steps were
-    taken since the last meeting, so every worker ends with one model.
+    The step ending with a synchronization is labelled ``sync_phase`` in the
+    ledger, the others ``local_phase``. Leaving :meth:`attach` synchronizes once
+    more if steps were taken since the last time, so every worker ends with one model.
     """
 
-    apart_phase = "local"
-    meet_phase = "average"
+    local_phase = "local"
+    sync_phase = "average"
 
     def __init__(self, comm: Communicator, topo: Topology, h: int) -> None:
         super().__init__(comm, topo)
         self.h = h
         self.t = 0  # optimizer steps taken
-        self.meetings = 0
-        self._last_meeting = 0  # step of the last meeting (step 0: prepare's broadcast)
+        self.syncs = 0
+        self._last_sync = 0  # step of the last synchronization (step 0: prepare's broadcast)
 
     @property
     def phase(self) -> str:
-        return self.meet_phase if (self.t + 1) % self.h == 0 else self.apart_phase
+        return self.sync_phase if (self.t + 1) % self.h == 0 else self.local_phase
 
-    def meet(self) -> None:
+    def synchronize(self) -> None:
         """Bring the workers to one model (one collective); the subclass's whole method."""
         raise NotImplementedError
 
-    def _meet(self) -> None:
-        self.meet()
-        self.meetings += 1
-        self._last_meeting = self.t
+    def _synchronize(self) -> None:
+        self.synchronize()
+        self.syncs += 1
+        self._last_sync = self.t
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.t += 1
         if self.t % self.h == 0:
-            self._meet()
-        self.comm.ledger.phase = self.phase
+            self._synchronize()
 
     def in_consensus(self) -> bool:
-        return self._last_meeting == self.t
+        return self._last_sync == self.t
 
     def agree(self) -> None:
-        """An extra meeting now; the next ones stay at multiples of ``h``."""
-        self._meet()
+        """An extra synchronization now; the next ones stay at multiples of ``h``."""
+        self._synchronize()
 
     def sync_buffers(self) -> None:
-        """Nothing to do at a meeting point: the meeting averaged the buffers too."""
+        """Nothing to do right after a synchronization: it averaged the buffers too."""
         if not self.in_consensus():
             super().sync_buffers()
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.in_consensus():
-            self._meet()
+            self._synchronize()
 
 
 def optimizer_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -383,10 +387,8 @@ class GradientMethod(Method):
                     p.grad.copy_(chunk.view_as(p))
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.comm.ledger.phase = self.phase
         self.reduce_gradients()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._reduced = False
         self.t += 1
-        self.comm.ledger.phase = self.phase

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .ddp import DDPMethod
+from .registry import MethodSpec, register
 
 
 # No annotations on the hook: DDP compares the ``bucket`` annotation with dist.GradBucket itself.
@@ -39,3 +40,7 @@ class BF16DDPMethod(DDPMethod):
 
     def extra_results(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.bucket_cap_mb, "gradient_dtype": "bfloat16"}
+
+
+register(MethodSpec("ddp-bf16", BF16DDPMethod, "DDP in bfloat16", "DDP whose gradient buckets travel as bfloat16",
+                    bucket_cap=True, order=30))

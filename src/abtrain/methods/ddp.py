@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm import Communicator
 from ..topology import Topology
 from .base import Method
+from .registry import MethodSpec, register
 
 
 # No annotations on the hook: DDP compares the ``bucket`` annotation with
@@ -62,3 +63,7 @@ class DDPMethod(Method):
 
     def extra_results(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.bucket_cap_mb}
+
+
+register(MethodSpec("ddp", DDPMethod, "DDP", "torch's DistributedDataParallel, every gradient bucket all-reduced "
+                    "in float32", bucket_cap=True, order=10, bench=1))

@@ -16,7 +16,7 @@ inner optimizer this is DDP: global - mean(global - (global - lr g_i)) = global 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -24,33 +24,31 @@ from torch import nn
 
 from ..comm import Communicator
 from ..topology import Topology
+from ..validate import Options, opt
 from .base import PeriodicMethod
-from ..validate import check_types
+from .registry import MethodSpec, register
 
 
 @dataclass
-class DiLoCoConfig:
+class DiLoCoConfig(Options):
     """Options of DiLoCo; the CLI exposes each as ``--diloco-<name>``."""
 
-    h: int = field(default=20, metadata={"help": "inner optimizer steps between two outer steps (H)"})
-    outer_lr: float = field(default=0.7, metadata={"help": "learning rate of the outer SGD on the averaged pseudo-gradient"})
-    outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer SGD (0: plain SGD)"})
+    section = "diloco"
+    h: int = opt(20, "inner optimizer steps between two outer steps (H)")
+    outer_lr: float = opt(0.7, "learning rate of the outer SGD on the averaged pseudo-gradient")
+    outer_momentum: float = opt(0.9, "Nesterov momentum of the outer SGD (0: plain SGD)")
 
-    def __post_init__(self) -> None:
-        check_types(self, "--diloco-")
-        if isinstance(self.h, bool) or not isinstance(self.h, int) or self.h < 1:
-            raise ValueError(f"--diloco-h must be a positive integer, got {self.h!r}")
-        if not self.outer_lr > 0:
-            raise ValueError(f"--diloco-outer-lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"--diloco-outer-momentum must be in [0, 1), got {self.outer_momentum}")
+    def check(self) -> None:
+        self.require("h", self.h >= 1, "a positive integer")
+        self.require("outer_lr", self.outer_lr > 0, "> 0")
+        self.require("outer_momentum", 0 <= self.outer_momentum < 1, "in [0, 1)")
 
 
 class DiLoCo(PeriodicMethod):
     """The user's optimizer for ``h`` inner steps, then an averaged outer step (phases ``inner`` / ``outer``)."""
 
     name = "diloco"
-    apart_phase, meet_phase = "inner", "outer"
+    local_phase, sync_phase = "inner", "outer"
 
     def __init__(self, comm: Communicator, topo: Topology, config: DiLoCoConfig | None = None,
                  **options: Any) -> None:
@@ -68,7 +66,7 @@ class DiLoCo(PeriodicMethod):
         return model
 
     @torch.no_grad()
-    def meet(self) -> None:
+    def synchronize(self) -> None:
         """Average the pseudo-gradients (and float buffers) over all workers, step the outer optimizer, load the result."""
         assert self.module is not None and self.outer_optimizer is not None, "prepare() first"
         params = list(self.module.parameters())
@@ -84,20 +82,25 @@ class DiLoCo(PeriodicMethod):
             p.copy_(g)
 
     def extra_results(self) -> dict[str, Any]:
-        return {"diloco": {**asdict(self.cfg), "outer_steps": self.meetings}}
+        return {"diloco": {**asdict(self.cfg), "outer_steps": self.syncs}}
 
     def state_dict(self) -> dict[str, Any]:
         assert self.outer_optimizer is not None, "prepare() first"
-        return {"t": self.t, "outer_steps": self.meetings, "last_outer": self._last_meeting,
+        return {"t": self.t, "outer_steps": self.syncs, "last_outer": self._last_sync,
                 "global_params": [g.clone() for g in self.global_params],
                 "outer_optimizer": self.outer_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.outer_optimizer is not None, "prepare() first"
         self.t = state["t"]
-        self.meetings = state["outer_steps"]
-        self._last_meeting = state["last_outer"]
+        self.syncs = state["outer_steps"]
+        self._last_sync = state["last_outer"]
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global_params"]):
                 g.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+
+
+register(MethodSpec("diloco", DiLoCo, "DiLoCo", "H inner steps of the chosen optimizer (AdamW recommended), then an "
+                    "outer Nesterov step on the averaged pseudo-gradient", options=DiLoCoConfig, order=60, bench=4,
+                    short_run_args=("--diloco-h", "2")))

@@ -22,30 +22,29 @@ worker. The first ``warmup_steps`` steps (1 by default: EF21's
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..comm import Communicator
 from ..topology import Topology
-from ..validate import check_types
+from ..validate import Options, opt
 from .base import GradientMethod
+from .registry import MethodSpec, register
 
 
 @dataclass
-class EF21Config:
+class EF21Config(Options):
     """Options of EF21; the CLI exposes each as ``--ef21-<name>``."""
 
-    fraction: float = field(default=0.01, metadata={"help": "k of the top-k compressor as a fraction of each tensor's elements, in (0, 1]: k = ceil(fraction * numel)"})
-    warmup_steps: int = field(default=1, metadata={"help": "full-precision all-reduce steps before compression (they set g_i = grad_i; 0 starts from g_i = 0)"})
+    section = "ef21"
+    fraction: float = opt(0.01, "k of the top-k compressor as a fraction of each tensor's elements, in (0, 1]: k = ceil(fraction * numel)")
+    warmup_steps: int = opt(1, "full-precision all-reduce steps before compression (they set g_i = grad_i; 0 starts from g_i = 0)")
 
-    def __post_init__(self) -> None:
-        check_types(self, "--ef21-")
-        if not 0 < self.fraction <= 1:
-            raise ValueError(f"--ef21-fraction must be in (0, 1], e.g. 0.01 for 1 %, got {self.fraction}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--ef21-warmup-steps must be an integer >= 0, got {self.warmup_steps}")
+    def check(self) -> None:
+        self.require("fraction", 0 < self.fraction <= 1, "in (0, 1], e.g. 0.01 for 1 %")
+        self.require("warmup_steps", self.warmup_steps >= 0, "an integer >= 0")
 
 
 def topk_count(numel: int, fraction: float) -> int:
@@ -124,3 +123,7 @@ class EF21(GradientMethod):
         self.t = state["t"]
         self.local.copy_(state["local"])
         self.estimate.copy_(state["estimate"])
+
+
+register(MethodSpec("ef21", EF21, "EF21", "error feedback (EF21) with a top-k compressor: k values and k indices per "
+                    "worker and tensor, all-gathered every step", options=EF21Config, order=70, bench=5))

@@ -21,34 +21,34 @@ control that tells whether the factors earn their keep.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..comm import Communicator
 from ..topology import Topology
-from ..validate import check_types
+from ..validate import Options, opt
 from .base import PeriodicMethod, optimizer_moments
+from .registry import MethodSpec, register
 
 
 @dataclass
-class HLocalSGDConfig:
+class HLocalSGDConfig(Options):
     """Options of hierarchical local SGD; the CLI exposes each as ``--hlocalsgd-<name>``."""
 
-    h: int = field(default=8, metadata={"help": "optimizer steps between two averages over all workers (H); gradients are averaged inside the group every step"})
+    section = "hlocalsgd"
+    h: int = opt(8, "optimizer steps between two averages over all workers (H); gradients are averaged inside the group every step")
 
-    def __post_init__(self) -> None:
-        check_types(self, "--hlocalsgd-")
-        if self.h < 1:
-            raise ValueError(f"--hlocalsgd-h must be a positive integer, got {self.h!r}")
+    def check(self) -> None:
+        self.require("h", self.h >= 1, "a positive integer")
 
 
 class HLocalSGD(PeriodicMethod):
     """Group-wise DP every step (phase ``local``); parameters, buffers and moments averaged every ``h`` steps (``average``)."""
 
     name = "hlocalsgd"
-    apart_phase, meet_phase = "local", "average"
+    local_phase, sync_phase = "local", "average"
 
     def __init__(self, comm: Communicator, topo: Topology, config: HLocalSGDConfig | None = None,
                  **options: Any) -> None:
@@ -80,7 +80,7 @@ class HLocalSGD(PeriodicMethod):
         super().finalize(optimizer)
 
     @torch.no_grad()
-    def meet(self) -> None:
+    def synchronize(self) -> None:
         """Average parameters, float buffers and optimizer moments over all workers (one collective per dtype)."""
         assert self.module is not None, "prepare() first"
         params = list(self.module.parameters())
@@ -91,12 +91,17 @@ class HLocalSGD(PeriodicMethod):
             self.comm.all_reduce_tensors(tensors, self.topo.world, average=True)
 
     def extra_results(self) -> dict[str, Any]:
-        return {"hlocalsgd": {**asdict(self.cfg), "averages": self.meetings}}
+        return {"hlocalsgd": {**asdict(self.cfg), "averages": self.syncs}}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "averages": self.meetings, "last_average": self._last_meeting}
+        return {"t": self.t, "averages": self.syncs, "last_average": self._last_sync}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.t = state["t"]
-        self.meetings = state["averages"]
-        self._last_meeting = state["last_average"]
+        self.syncs = state["averages"]
+        self._last_sync = state["last_average"]
+
+
+register(MethodSpec("hlocalsgd", HLocalSGD, "hierarchical local SGD",
+                    "gradients averaged inside each group every step; parameters, float buffers and optimizer "
+                    "moments averaged over all workers every H steps", options=HLocalSGDConfig, order=90, bench=7))

@@ -9,34 +9,34 @@ are never exchanged; optimizer states stay per worker.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..comm import Communicator
 from ..topology import Topology
+from ..validate import Options, opt
 from .base import PeriodicMethod
-from ..validate import check_types
+from .registry import MethodSpec, register
 
 
 @dataclass
-class LocalSGDConfig:
+class LocalSGDConfig(Options):
     """Options of local SGD; the CLI exposes each as ``--localsgd-<name>``."""
 
-    h: int = field(default=8, metadata={"help": "local optimizer steps between two averages of the model (H; 1 is DDP for plain SGD)"})
+    section = "localsgd"
+    h: int = opt(8, "local optimizer steps between two averages of the model (H; 1 is DDP for plain SGD)")
 
-    def __post_init__(self) -> None:
-        check_types(self, "--localsgd-")
-        if isinstance(self.h, bool) or not isinstance(self.h, int) or self.h < 1:
-            raise ValueError(f"--localsgd-h must be a positive integer, got {self.h!r}")
+    def check(self) -> None:
+        self.require("h", self.h >= 1, "a positive integer")
 
 
 class LocalSGD(PeriodicMethod):
     """Average parameters and float buffers over all workers every ``h`` optimizer steps."""
 
     name = "localsgd"
-    apart_phase, meet_phase = "local", "average"
+    local_phase, sync_phase = "local", "average"
 
     def __init__(self, comm: Communicator, topo: Topology, config: LocalSGDConfig | None = None,
                  **options: Any) -> None:
@@ -44,7 +44,7 @@ class LocalSGD(PeriodicMethod):
         super().__init__(comm, topo, self.cfg.h)
 
     @torch.no_grad()
-    def meet(self) -> None:
+    def synchronize(self) -> None:
         """Average every parameter and floating-point buffer over all workers (one collective per dtype)."""
         assert self.module is not None, "prepare() first"
         tensors = [p.data for p in self.module.parameters()]
@@ -53,12 +53,16 @@ class LocalSGD(PeriodicMethod):
             self.comm.all_reduce_tensors(tensors, self.topo.world, average=True)
 
     def extra_results(self) -> dict[str, Any]:
-        return {"localsgd": {**asdict(self.cfg), "averages": self.meetings}}
+        return {"localsgd": {**asdict(self.cfg), "averages": self.syncs}}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "averages": self.meetings, "last_average": self._last_meeting}
+        return {"t": self.t, "averages": self.syncs, "last_average": self._last_sync}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.t = state["t"]
-        self.meetings = state["averages"]
-        self._last_meeting = state["last_average"]
+        self.syncs = state["averages"]
+        self._last_sync = state["last_average"]
+
+
+register(MethodSpec("localsgd", LocalSGD, "local SGD", "workers train alone, the model is averaged every H steps",
+                    options=LocalSGDConfig, order=50, bench=3, short_run_args=("--localsgd-h", "2")))

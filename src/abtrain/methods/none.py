@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .base import Method
+from .registry import MethodSpec, register
 
 
 class NoCommunication(Method):
@@ -61,3 +62,7 @@ class NoCommunication(Method):
 
     def extra_results(self) -> dict[str, Any]:
         return {"evaluation": "per-worker models, metrics summed over the workers' test shards"}
+
+
+register(MethodSpec("none", NoCommunication, "no communication", "every worker trains alone after the initial "
+                    "broadcast (the compute floor)", order=1000, bench=0))

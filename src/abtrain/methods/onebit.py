@@ -29,32 +29,31 @@ all-reduce of the float32 gradient.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..comm import Communicator
 from ..topology import Topology
-from ..validate import check_types
+from ..validate import Options, opt
 from .base import GradientMethod
+from .registry import MethodSpec, register
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
 
 @dataclass
-class OneBitConfig:
+class OneBitConfig(Options):
     """Options of 1-bit compression; the CLI exposes each as ``--onebit-<name>``."""
 
-    warmup_steps: int = field(default=4, metadata={"help": "full-precision all-reduce steps before 1-bit compression starts (1-bit Adam, with AdamW, warms up for ~15 percent of the run)"})
-    chunk_size: int = field(default=0, metadata={"help": "elements sharing one scale; 0: one scale per tensor"})
+    section = "onebit"
+    warmup_steps: int = opt(4, "full-precision all-reduce steps before 1-bit compression starts (1-bit Adam, with AdamW, warms up for ~15 percent of the run)")
+    chunk_size: int = opt(0, "elements sharing one scale; 0: one scale per tensor")
 
-    def __post_init__(self) -> None:
-        check_types(self, "--onebit-")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--onebit-warmup-steps must be an integer >= 0, got {self.warmup_steps}")
-        if self.chunk_size < 0:
-            raise ValueError(f"--onebit-chunk-size must be >= 0 (0: one scale per tensor), got {self.chunk_size}")
+    def check(self) -> None:
+        self.require("warmup_steps", self.warmup_steps >= 0, "an integer >= 0")
+        self.require("chunk_size", self.chunk_size >= 0, ">= 0 (0: one scale per tensor)")
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -183,3 +182,7 @@ class OneBit(GradientMethod):
         self.t = state["t"]
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
+
+
+register(MethodSpec("onebit", OneBit, "1-bit", "sign compression with worker and server error feedback and one scale "
+                    "per tensor or chunk, after a full-precision warm-up", options=OneBitConfig, order=80, bench=6))

@@ -23,7 +23,7 @@ steps are phase ``train``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -32,33 +32,30 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDS
 
 from ..comm import Communicator, Group
 from ..topology import Topology
+from ..validate import Options, opt
 from .ddp import DDPMethod
-from ..validate import check_types
+from .registry import MethodSpec, register
 
 
 @dataclass
-class PowerSGDConfig:
+class PowerSGDConfig(Options):
     """Options of PowerSGD; the CLI exposes each as ``--powersgd-<name>``."""
 
-    rank: int = field(default=4, metadata={"help": "rank r of the P and Q factors of each compressed gradient matrix (matrix_approximation_rank)"})
-    start_iter: int = field(default=10, metadata={"help": "plain all-reduce for the first steps, PowerSGD from this step on (start_powerSGD_iter, > 1)"})
-    min_compression_rate: float = field(default=2.0, metadata={"help": "compress a matrix only when (rows + cols) * r * this < rows * cols"})
-    orthogonalization_epsilon: float = field(default=0.0, metadata={"help": "added to column norms in the orthogonalisation (e.g. 1e-8 against all-zero gradients)"})
-    seed: int = field(default=0, metadata={"help": "seed of the random initial Qs (the same on every worker)"})
+    section = "powersgd"
+    rank: int = opt(4, "rank r of the P and Q factors of each compressed gradient matrix (matrix_approximation_rank)")
+    start_iter: int = opt(10, "plain all-reduce for the first steps, PowerSGD from this step on (start_powerSGD_iter, > 1)")
+    min_compression_rate: float = opt(2.0, "compress a matrix only when (rows + cols) * r * this < rows * cols")
+    orthogonalization_epsilon: float = opt(0.0, "added to column norms in the orthogonalisation (e.g. 1e-8 against all-zero gradients)")
+    seed: int = opt(0, "seed of the random initial Qs (the same on every worker)")
 
-    def __post_init__(self) -> None:
-        check_types(self, "--powersgd-")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"--powersgd-rank must be a positive integer, got {self.rank!r}")
+    def check(self) -> None:
+        self.require("rank", self.rank >= 1, "a positive integer")
         # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start:
         # DDP rebuilds its buckets after the first step, which would invalidate the memorised errors and Qs.
-        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 2:
-            raise ValueError(f"--powersgd-start-iter must be an integer >= 2 (DDP rebuilds its buckets after "
-                             f"the first step), got {self.start_iter!r}")
-        if not self.min_compression_rate > 0:
-            raise ValueError(f"--powersgd-min-compression-rate must be > 0, got {self.min_compression_rate}")
-        if not self.orthogonalization_epsilon >= 0:
-            raise ValueError(f"--powersgd-orthogonalization-epsilon must be >= 0, got {self.orthogonalization_epsilon}")
+        self.require("start_iter", self.start_iter >= 2,
+                     "an integer >= 2 (DDP rebuilds its buckets after the first step)")
+        self.require("min_compression_rate", self.min_compression_rate > 0, "> 0")
+        self.require("orthogonalization_epsilon", self.orthogonalization_epsilon >= 0, ">= 0")
 
 
 def _all_reduce_sum(comm: Communicator, tensor: torch.Tensor, group: Group) -> torch.futures.Future:
@@ -212,16 +209,18 @@ class PowerSGD(DDPMethod):
             orthogonalization_epsilon=self.cfg.orthogonalization_epsilon,
             random_seed=self.cfg.seed,
         )
+        self._step_iter: int | None = None  # state.iter when the current step began (None: read it)
 
     @property
     def phase(self) -> str:
-        return "warmup" if self.state.iter < self.state.start_powerSGD_iter else "train"
+        # Fixed when the step begins: the hook advances state.iter at the last bucket, before its all-reduce.
+        iteration = self.state.iter if self._step_iter is None else self._step_iter
+        return "warmup" if iteration < self.state.start_powerSGD_iter else "train"
 
     comm_hook = staticmethod(_powersgd_hook)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # The hook has counted this step (state.iter): label the next step's traffic.
-        self.comm.ledger.phase = self.phase
+        self._step_iter = self.state.iter  # the hook has counted this step: the next step's label
 
     def extra_results(self) -> dict[str, Any]:
         rate, before, after = self.state.compression_stats()
@@ -244,6 +243,12 @@ class PowerSGD(DDPMethod):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self._STATE:
             setattr(self.state, name, state[name])
+        self._step_iter = None
         rng = state["rng"]
         self.state.rng.set_state((rng["kind"], rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
                                   rng["cached_gaussian"]))
+
+
+register(MethodSpec("powersgd", PowerSGD, "PowerSGD", "torch's PowerSGD DDP hook: rank-r gradient compression with "
+                    "error feedback and warm start", options=PowerSGDConfig, bucket_cap=True, order=40, bench=2,
+                    short_run_args=("--powersgd-start-iter", "2")))

@@ -1,0 +1,106 @@
+"""Before a run trains: the preflight's checks and the plan it hands the workers, the method's options, the
+optimizer and its learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .data import Dataset, load_dataset, steps_per_epoch
+from .methods import registry
+from .models import build_model
+from .topology import resolve_backend
+
+
+def method_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The options of ``cfg.method`` taken from the flat config."""
+    spec = registry.get(cfg.method)
+    options: dict[str, Any] = {}
+    if spec.bucket_cap:
+        options["bucket_cap_mb"] = cfg.bucket_cap_mb
+    if spec.options is not None:  # methods with an options section (--<method>-*)
+        options["config"] = cfg.options()
+    return options
+
+
+def group_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
+    """The group size this run uses (default: one group per node, unless the method chooses), and a line to
+    print when the method chose another."""
+    if cfg.group_size is not None:
+        return cfg.group_size, None
+    spec = registry.get(cfg.method)
+    if spec.group_layout is not None:
+        return spec.group_layout(cfg.options(), world_size, local_world_size)
+    return (local_world_size if world_size % max(1, local_world_size) == 0 else world_size), None
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum or AdamW; no weight decay on 1-D parameters (biases, norms)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999))
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    """Linear warm-up, then cosine decay to zero (or constant)."""
+    warm = cfg.warmup_lr_steps
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+@dataclass
+class Plan:
+    """What the preflight found and built, for the workers to use instead of building it again."""
+
+    dataset: Dataset
+    model: nn.Module  # built on the CPU right after torch.manual_seed(cfg.seed): the same on every worker
+    world_size: int
+    group_size: int
+    group_note: str | None  # the method chose the group size: a line for rank 0 to print
+    steps_per_epoch: int
+    total_steps: int
+
+
+def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> Plan:
+    """Every check that can fail on user input, before any worker starts; returns the run's plan."""
+    spec = registry.get(cfg.method)
+    resolve_backend(cfg.backend, cfg.device)
+    ds = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, block_size=cfg.block_size,
+                      limit_train=cfg.limit_train, limit_test=cfg.limit_test)
+    shard = len(ds.train) // world_size
+    if cfg.batch_size > shard:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than each worker's shard of the training set "
+                         f"({len(ds.train)} samples / {world_size} workers = {shard}); use a smaller batch or fewer workers")
+    torch.manual_seed(cfg.seed)  # identical initial weights on every worker
+    model = build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
+    per_epoch = steps_per_epoch(len(ds.train), world_size, cfg.batch_size)
+    total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+    if cfg.stop_after is not None and cfg.stop_after >= total:
+        raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {total} steps")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if local_world_size is None else local_world_size
+    group_size, note = group_layout(cfg, world_size, local)
+    if world_size % group_size:
+        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
+                         f"choose a --group-size that divides the number of workers")
+    if spec.check_topology is not None:
+        spec.check_topology(cfg.options(), world_size, group_size)
+    if spec.check_run is not None:
+        spec.check_run(cfg.options(), model, total)
+    return Plan(ds, model, world_size, group_size, note, per_epoch, total)
