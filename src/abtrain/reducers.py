@@ -208,11 +208,11 @@ class PowerSGDReducer(Reducer):
                 orthogonalize(q, self.epsilon)
         else:
             self.seen.add(key)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.rng.randint(1_000_000_000))
-                for q in qs:
-                    q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
-                    orthogonalize(q, self.epsilon)
+            # A generator of its own (the global RNG stays untouched), seeded as torch's hook seeds the global one.
+            gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, generator=gen, dtype=dtype))
+                orthogonalize(q, self.epsilon)
         for (_, m, _), q, p in zip(low, qs, ps):
             torch.bmm(m, q, out=p)
         if plain:

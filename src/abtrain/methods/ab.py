@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
 from ..comm import Communicator
+from ..grad_buckets import OverlappedAverage
 from ..reducers import build_reducer
 from ..topology import Topology
 from .ab_config import ABConfig, check_topology, default_group_size
@@ -59,6 +60,7 @@ class ABTraining(Method):
         self.train_group = topo.world if only_b and self.cfg.only_b_groups == "world" else topo.group
         self.rule = self.cfg.rank_rule()
         self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank)
+        self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
         self.wire_dtype = torch.bfloat16 if self.cfg.sync_dtype == "bf16" else None
         num_a_groups = max(1, topo.num_groups // 2)
         self.role = "B" if only_b else ("A" if topo.group_index < num_a_groups else "B")
@@ -165,18 +167,29 @@ class ABTraining(Method):
         if self.t == 0 and self.phase_at(0) == "ab" and not self.ranks:
             self._decompose(optimizer, truncate=self.cfg.truncate_first)
             self._switch_step = 0
+        self._watch_gradients()
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over the workers the phase requires (idempotent per step)."""
         if self._reduced:
             return
         self._reduced = True
-        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
         if self.phase == "ab":
-            if not self.cfg.independent:
-                self.comm.all_reduce_tensors([g for _, g in named], self.train_group, average=True)
+            self.overlap.finish()  # idle when the workers train alone (independent)
         else:
-            self.dense.reduce(named, self.topo.world)
+            self.dense.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
+                              self.topo.world)
+
+    def _watch_gradients(self) -> None:
+        """Arm the in-group averaging for the coming step when it is an AB step (its trained tensors may be new)."""
+        in_group = self.phase == "ab" and not self.cfg.independent and self.train_group.size > 1
+        if in_group and self.module is not None:
+            self.overlap.watch([p for p in self.module.parameters() if p.requires_grad])
+        self.overlap.start(self.train_group if in_group else None)
+
+    def _unhook(self) -> None:
+        super()._unhook()
+        self.overlap.close()
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.comm.ledger.phase = self.phase
@@ -222,6 +235,7 @@ class ABTraining(Method):
         if sync or decompose or self.phase_at(self.t) != self.phase_at(self.t - 1):
             self._switch_step = self.t
         self.comm.ledger.phase = self.phase
+        self._watch_gradients()
 
     @torch.no_grad()
     def _keep_output_full(self) -> None:
@@ -346,7 +360,7 @@ class ABTraining(Method):
         return {
             "compression_ratio": self.ratio,
             "ranks": self.ranks,
-            "phases": self.phase_ranges(),
+            "phases": sched.ranges(self.t),
             "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle, "rebound_steps": sched.rebound,
                          "lr_rebound_steps": sched.lr_rebound, "final_rebound_steps": sched.final_rebound},
             "kept_output_layers": self.kept,
@@ -354,17 +368,6 @@ class ABTraining(Method):
             "sync_seconds": self.sync_seconds,
             "role": self.role,
         }
-
-    def phase_ranges(self) -> list[dict[str, Any]]:
-        """Step ranges [start, end) of each phase of the run so far."""
-        out: list[dict[str, Any]] = []
-        for t in range(self.t):
-            p = self.phase_at(t)
-            if out and out[-1]["phase"] == p:
-                out[-1]["end"] = t + 1
-            else:
-                out.append({"phase": p, "start": t, "end": t + 1})
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
@@ -391,3 +394,4 @@ class ABTraining(Method):
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)
         lowrank.set_trainable(self.records, self._trained_role())
+        self._watch_gradients()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .ab_config import ABConfig
 
@@ -60,6 +61,17 @@ class Schedule:
         """Syncs in the whole run (needs ``total``)."""
         assert self.total is not None
         return sum(self.events(t)[0] for t in range(max(1, self.warmup + 1), self.total))
+
+    def ranges(self, steps: int) -> list[dict[str, Any]]:
+        """Step ranges [start, end) of each phase over the first ``steps`` steps."""
+        out: list[dict[str, Any]] = []
+        for t in range(steps):
+            p = self.phase_at(t)
+            if out and out[-1]["phase"] == p:
+                out[-1]["end"] = t + 1
+            else:
+                out.append({"phase": p, "start": t, "end": t + 1})
+        return out
 
     def describe(self) -> str:
         text = f"warm-up {self.warmup} steps, sync every {self.cycle}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
