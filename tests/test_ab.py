@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm import Communicator
 from abtrain.methods.ab import ABConfig, ABTraining
@@ -108,6 +109,7 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
 def _train_all():
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {name: _train(topo, *args) for name, args in CONFIGS.items()}
+    out["ddp-wrapped"] = _ddp_wrapped(topo)
     topo.close()
     return out
 
@@ -116,7 +118,7 @@ def _train_all():
 def runs():
     """Each configuration's outputs, one per worker."""
     outs = run_world(_train_all, 4)
-    return {name: [o[name] for o in outs] for name in CONFIGS}
+    return {name: [o[name] for o in outs] for name in outs[0]}
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +309,34 @@ def test_final_rebound_ends_full_rank_inside_the_budget(runs):
         if "running" not in k:
             for o in outs[1:]:
                 assert torch.equal(o["steps"][-1]["after"][k], v), k
+
+
+def _ddp_wrapped(topo):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                                nn.Linear(64, 16)))
+    method = ABTraining(Communicator(), topo, ABConfig(warmup_steps=1, cycle_steps=3, rebound_steps=1))
+    model = method.prepare(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(topo.rank)
+    with method.attach(opt):
+        for _ in range(7):
+            loss = model(torch.randn(8, 16, generator=gen)).logsumexp(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.kept,
+           "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
+    del ddp
+    return out
+
+
+def test_a_ddp_wrapped_model_is_unwrapped_and_trains(runs):
+    outs = runs["ddp-wrapped"]
+    for o in outs:
+        assert o["unwrapped"]
+        assert o["names"] == ["0.weight", "2.weight", "4.weight"]  # no "module." prefix
+        assert o["kept"] == ["4.weight"]
+    for k, v in outs[0]["weights"].items():  # the run ends with a sync: one model everywhere
+        for o in outs[1:]:
+            assert torch.equal(v, o["weights"][k]), k
