@@ -117,8 +117,9 @@ def _add_bench_parser(sub: Any) -> None:
     bench.add_argument("--method-args", action="append", default=[], metavar="METHOD:FLAGS",
                        help="flags added to one method's run, e.g. 'ab:--ab-rank-fraction 0.1' (repeatable)")
     bench.add_argument("--net", metavar="SPEC",
-                       help="run the workers through a real shaped network (Linux, root): each worker in its own "
-                            "network namespace, e.g. rate=100mbit,delay=2ms; reports measured interface bytes")
+                       help="run the workers through a real shaped network (Linux, root): each group of workers "
+                            "in one network namespace (a node; layout=worker: one per worker) behind a shaped link, "
+                            "e.g. rate=100mbit,delay=2ms,layout=node; reports measured interface bytes")
     model = bench.add_argument_group("projection", "the alpha-beta network model of the report's projection "
                                                    "to 8-256 workers (a model, not a measurement)")
     model.add_argument("--intra-bw", type=float, default=100.0, metavar="GB/S",

@@ -1,15 +1,20 @@
-"""A real constrained network on one Linux machine: one network namespace per worker.
+"""A real constrained network on one Linux machine: one network namespace per node.
 
-Each worker ``k`` lives in namespace ``<name>-w<k>`` with one interface
-``abt0`` (address 10.213.0.<k+1>/24), the end of a veth pair whose other end
-(``w<k>``) is a port of a bridge in a namespace of its own (``<name>-br``).
+A *node* is a network namespace: ``<name>-n<j>`` in the ``node`` layout, where
+the workers of one group share a node, or ``<name>-w<j>`` in the ``worker``
+layout, where every worker is a node of its own. Node ``j`` has one interface
+``abt0`` (address 10.213.0.<j+1>/24), the end of a veth pair whose other end
+(``w<j>``) is a port of a bridge in a namespace of its own (``<name>-br``).
 Nothing is created in the root namespace, and the namespaces have no route
 anywhere else: all traffic stays between the workers.
 
-``tc`` shapes both directions of every worker's link: the worker's egress
+``tc`` shapes both directions of every node's link: the node's egress
 (``abt0``) gets the rate and the one-way delay, the bridge's egress towards
-the worker (``w<k>``) the rate. A message from one worker to another thus
-crosses one delay and two rate limits: a star of full-duplex links.
+the node (``w<j>``) the rate. A message from one node to another thus
+crosses one delay and two rate limits: a star of full-duplex links. Workers
+of one node reach each other over the node's own loopback (a packet to one's
+own address never leaves through ``abt0``): unshaped, and not counted on
+``abt0``.
 
 Names carry the creating process id (``abtb-<pid>-<token>``), so namespaces
 left by a process that no longer exists can be found and removed
@@ -43,22 +48,32 @@ class NetworkError(RuntimeError):
     """Setting up or using the namespaces failed; the message says which command and why."""
 
 
+LAYOUTS = ("node", "worker")
+
+
 @dataclass(frozen=True)
 class NetSpec:
-    """``rate=100mbit,delay=2ms``: each worker link's rate (tc units) and one-way delay."""
+    """``rate=100mbit,delay=2ms,layout=node``: each node link's rate (tc units), one-way delay, and what a node
+    is (``node``: the workers of one group; ``worker``: one worker; unset: ``node`` when groups have more than
+    one worker)."""
 
     rate: str | None = None
     delay: str | None = None
+    layout: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> "NetSpec":
         values: dict[str, str] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
-            if not sep or key not in ("rate", "delay"):
-                raise ValueError(f"--net takes rate=RATE,delay=DELAY (e.g. rate=100mbit,delay=2ms), got {item!r}")
+            if not sep or key not in ("rate", "delay", "layout"):
+                raise ValueError(f"--net takes rate=RATE,delay=DELAY,layout=node|worker (e.g. rate=100mbit,delay=2ms), "
+                                 f"got {item!r}")
             values[key] = value.strip().lower()
         spec = cls(**values)
+        if spec.layout is not None and spec.layout not in LAYOUTS:
+            raise ValueError(f"--net layout={spec.layout}: choose node (the workers of one group share a namespace) "
+                             f"or worker (one namespace per worker)")
         if spec.rate is None and spec.delay is None:
             raise ValueError("--net needs rate= and/or delay=, e.g. rate=100mbit,delay=2ms")
         spec.rate_bytes_per_s, spec.delay_seconds  # validate both
@@ -86,7 +101,11 @@ class NetSpec:
     def describe(self) -> str:
         parts = [f"rate {self.rate}" if self.rate else "unlimited rate"]
         parts.append(f"one-way delay {self.delay}" if self.delay else "no added delay")
-        return ", ".join(parts) + " per worker link"
+        return ", ".join(parts) + " per node link"
+
+    def node_size(self, group_size: int) -> int:
+        """Workers per node: the group size in the ``node`` layout (the default), 1 in the ``worker`` layout."""
+        return 1 if self.layout == "worker" else max(1, group_size)
 
 
 def check_available() -> None:
@@ -141,31 +160,45 @@ def cleanup_stale() -> list[str]:
 
 
 class Network:
-    """``workers`` namespaces joined by veth pairs to one bridge, shaped by tc; a context manager.
+    """One namespace per node of ``node_size`` workers (contiguous ranks), joined by veth pairs to one bridge,
+    shaped by tc; a context manager.
 
     ``setup`` either completes or removes everything it created before
     raising; ``teardown`` is idempotent and safe after any partial set-up.
     """
 
-    def __init__(self, workers: int, spec: NetSpec) -> None:
-        if not 1 <= workers <= 250:
-            raise ValueError(f"--net supports 1 to 250 workers, got {workers}")
+    def __init__(self, workers: int, spec: NetSpec, node_size: int = 1) -> None:
+        if node_size < 1 or workers % node_size:
+            raise ValueError(f"--net: {workers} workers cannot be split into nodes of {node_size}")
+        if not 1 <= workers // node_size <= 250:
+            raise ValueError(f"--net supports 1 to 250 nodes, got {workers // node_size}")
         self.workers = workers
+        self.node_size = node_size
+        self.nodes = workers // node_size
         self.spec = spec
         self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.bridge_ns = f"{self.name}-br"
         self.created: list[str] = []
 
+    @property
+    def layout(self) -> str:
+        return "worker" if self.node_size == 1 else "node"
+
     # -- addresses and names ----------------------------------------------
-    def namespace(self, k: int) -> str:
-        return f"{self.name}-w{k}"
+    def namespace(self, j: int) -> str:
+        """Node ``j``'s namespace (in the ``worker`` layout node ``j`` is worker ``j``)."""
+        return f"{self.name}-{'w' if self.node_size == 1 else 'n'}{j}"
 
-    def address(self, k: int) -> str:
-        return f"{SUBNET}.{k + 1}"
+    def node_of(self, rank: int) -> int:
+        return rank // self.node_size
 
-    def exec_prefix(self, k: int) -> list[str]:
-        """Command prefix that runs a program inside worker ``k``'s namespace."""
-        return ["ip", "netns", "exec", self.namespace(k)]
+    def address(self, j: int) -> str:
+        """Node ``j``'s address."""
+        return f"{SUBNET}.{j + 1}"
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        """Command prefix that runs a program inside the namespace of worker ``rank``'s node."""
+        return ["ip", "netns", "exec", self.namespace(self.node_of(rank))]
 
     # -- life cycle ---------------------------------------------------------
     def __enter__(self) -> "Network":
@@ -188,7 +221,7 @@ class Network:
             self._add_namespace(self.bridge_ns)
             _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
             _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
-            for k in range(self.workers):
+            for k in range(self.nodes):
                 ns, port = self.namespace(k), f"w{k}"
                 self._add_namespace(ns)
                 _run(["ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth",
@@ -238,8 +271,8 @@ class Network:
 
     # -- measurement ----------------------------------------------------------
     def counters(self) -> list[dict[str, int]]:
-        """Per worker: bytes and packets its interface has sent and received (``/proc/net/dev`` in its namespace)."""
-        return [read_counters(self.namespace(k), IFNAME) for k in range(self.workers)]
+        """Per node: bytes and packets its interface has sent and received (``/proc/net/dev`` in its namespace)."""
+        return [read_counters(self.namespace(j), IFNAME) for j in range(self.nodes)]
 
 
 def read_counters(ns: str, dev: str) -> dict[str, int]:
@@ -250,3 +283,17 @@ def read_counters(ns: str, dev: str) -> dict[str, int]:
             v = [int(x) for x in rest.split()]
             return {"rx_bytes": v[0], "rx_packets": v[1], "tx_bytes": v[8], "tx_packets": v[9]}
     raise NetworkError(f"interface {dev} not found in namespace {ns}")
+
+
+def unavailable_reason() -> str | None:
+    """Why network namespaces cannot be made here (one line), or None when a probe namespace could be made."""
+    try:
+        check_available()
+    except ValueError as exc:
+        return str(exc)
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if p.returncode != 0:
+        return f"cannot create network namespaces here: {p.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30)
+    return None

@@ -76,10 +76,11 @@ def group_size_of(op: str, payload_bytes: float, wire: float) -> int:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def comm_seconds_per_step(results: dict[str, Any], workers: int, model: NetworkModel) -> float:
+def comm_seconds_per_step(results: dict[str, Any], workers: int, model: NetworkModel, scale: float = 1.0) -> float:
     """Modelled communication time per step of a run's collectives, rescaled to ``workers`` workers.
 
     The one-off ``setup`` broadcast is left out; evaluation traffic is spread over the steps.
+    ``scale`` multiplies every payload (a model ``scale`` times the measured one's size).
     """
     steps = max(1, int(results["steps"]))
     world = int(results["world_size"])
@@ -87,7 +88,7 @@ def comm_seconds_per_step(results: dict[str, Any], workers: int, model: NetworkM
     for row in results["comm"]["rows"]:
         if row["phase"] == "setup" or row["calls"] == 0:
             continue
-        payload = row["payload_bytes"] / row["calls"]
+        payload = scale * row["payload_bytes"] / row["calls"]
         p_run = min(world, group_size_of(row["op"], row["payload_bytes"], row["wire_bytes"]))
         if row["scope"] == "group":
             p, bw, lat = min(model.node_size, workers), model.intra_bw, model.intra_latency
@@ -121,3 +122,48 @@ def project(runs: dict[str, dict[str, Any]], model: NetworkModel, compute_per_st
         "comm_seconds_per_step": {name: [comm_seconds_per_step(r, p, model) for p in workers]
                                   for name, r in runs.items()},
     }
+
+
+#: Model sizes where communication is felt (parameters), and links between nodes (bytes/s).
+SCALED_MODELS = (("ResNet-50", 25.6e6), ("ViT-B/16", 86e6), ("GPT-2 small", 124e6))
+SCALED_NETWORKS = (("10 Gb/s Ethernet", 10e9 / 8), ("25 Gb/s Ethernet", 25e9 / 8), ("200 Gb/s InfiniBand", 200e9 / 8))
+SCALED_WORKERS = 32
+
+
+def project_scaled(runs: dict[str, dict[str, Any]], model: NetworkModel, workers: int = SCALED_WORKERS,
+                   models: tuple[tuple[str, float], ...] = SCALED_MODELS,
+                   networks: tuple[tuple[str, float], ...] = SCALED_NETWORKS) -> dict[str, Any]:
+    """Communication seconds per step of each method for larger models on slower links between nodes.
+
+    Every payload is scaled by (target parameters / measured parameters): each method keeps the bytes per
+    parameter it sent here. The links between nodes get each network's bandwidth; everything else is ``model``.
+    """
+    rows = []
+    for model_name, params in models:
+        for net_name, bw in networks:
+            net = NetworkModel(intra_bw=model.intra_bw, inter_bw=bw, intra_latency=model.intra_latency,
+                               inter_latency=model.inter_latency, node_size=model.node_size)
+            rows.append({"model": model_name, "parameters": params, "network": net_name, "inter_bw": bw,
+                         "comm_seconds_per_step": {name: comm_seconds_per_step(r, workers, net, params / r["params"])
+                                                   for name, r in runs.items()}})
+    return {"workers": workers, "node_size": model.node_size, "rows": rows}
+
+
+def render_scaled(scaled: dict[str, Any]) -> list[str]:
+    """report.md's table of :func:`project_scaled`."""
+    methods = list(scaled["rows"][0]["comm_seconds_per_step"]) if scaled["rows"] else []
+    lines = ["", f"### Larger models on slower links ({scaled['workers']} workers in nodes of {scaled['node_size']}; "
+                 "a model, not a measurement)", "",
+             "Communication per step when every method keeps the bytes per parameter it sent in this run, scaled to "
+             "the model's size, with the named network between nodes (a ring over contiguous ranks crosses each "
+             "node's link once, so the node's link is the ring's bandwidth). Which assumptions carry over: "
+             "docs/bench.md.", "",
+             "| model | network | " + " | ".join(methods) + " |", "|---|---|" + "---:|" * len(methods)]
+    for row in scaled["rows"]:
+        secs = row["comm_seconds_per_step"]
+        ddp = secs.get("ddp")
+        cells = [f"{secs[m] * 1e3:.3g} ms" + (f" ({ddp / secs[m]:.1f}×)" if ddp and secs[m] > 0 and m != "ddp" else "")
+                 for m in methods]
+        lines.append(f"| {row['model']} ({row['parameters'] / 1e6:g} M) | {row['network']} | " + " | ".join(cells) + " |")
+    lines += ["", "(×: DDP's time divided by the method's.)"]
+    return lines

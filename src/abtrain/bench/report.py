@@ -11,7 +11,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..results import atomic_write, human_bytes, write_json
-from .projection import project
+from .linkbytes import link_check
+from .linkbytes import render as render_links
+from .projection import project, project_scaled, render_scaled
 from .workloads import Workload
 
 if TYPE_CHECKING:
@@ -66,6 +68,15 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
+def _by_scope_phase(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Wire bytes per worker for each scope (``global``, ``group``) and phase."""
+    out: dict[str, dict[str, float]] = {"global": {}, "group": {}}
+    for row in rows:
+        phases = out.setdefault(row["scope"], {})
+        phases[row["phase"]] = phases.get(row["phase"], 0.0) + row["wire_bytes"]
+    return out
+
+
 def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome"], out: str,
                  interrupted: bool = False) -> dict[str, Any]:
     """Everything report.json holds; report.md and the plots are drawn from it."""
@@ -105,16 +116,15 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
                 "time_to_ddp_metric": reached,
                 "peak_rss_bytes": r["peak_rss_bytes"],
                 "by_phase": {p: v["wire_bytes"] for p, v in comm["by_phase"].items()},
+                "by_scope_phase": _by_scope_phase(comm["rows"]),
                 "pareto": o.method in front,
                 "history": [{k: h.get(k) for k in ("step", "test_accuracy", "test_perplexity", "wire_bytes",
                                                    "global_wire_bytes", "wall_seconds")} for h in r["history"]],
             })
             if o.measured is not None:
-                tx = o.measured["tx_bytes"]
-                mean_tx = sum(tx) / len(tx)
-                row["measured"] = {**o.measured, "tx_bytes_mean": mean_tx, "counted_wire_bytes": total,
-                                   "ratio": _ratio(mean_tx, total),
-                                   "ideal_wire_seconds": total / rate if rate else None}
+                check = link_check(r, o.measured)
+                row["measured"] = {**o.measured, **check,
+                                   "ideal_wire_seconds": check["expected_tx_bytes"] / rate if rate else None}
         rows.append(row)
     # Compute per step: the `none` run has no communication at all, so its wall time per step is compute
     # (and evaluation) only; without it, each run's wall time less the time spent in collectives.
@@ -128,6 +138,7 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
     if projection is not None:
         projection["compute_source"] = "none run: wall seconds / steps" if none else "each run: (wall - comm) / steps"
         projection["description"] = cfg.network_model.describe()
+        projection["scaled"] = project_scaled(done, cfg.network_model)
     return {
         "workload": {"name": workload.name, "description": workload.description, "quick": cfg.quick,
                      "metric": metric, "steps": workload.steps, "train_args": workload.train_args,
@@ -136,14 +147,16 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
         "extra": cfg.extra,
         "user_method_args": cfg.method_args,
         "net": ({"spec": cfg.net, "description": cfg.net_spec.describe(), "rate_bytes_per_s": rate,
-                 "delay_seconds": cfg.net_spec.delay_seconds} if cfg.net_spec else None),
+                 "delay_seconds": cfg.net_spec.delay_seconds,
+                 "node_size": next((o.measured["node_size"] for o in outcomes if o.measured), None)}
+                if cfg.net_spec else None),
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "interrupted": interrupted,
         "ddp_target": target,
         "pareto_front": sorted(front),
         "methods": rows,
         "projection": projection,
-        "plots": ["accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_phase.png"],
+        "plots": ["accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_scope.png", "bytes_by_phase.png"],
     }
 
 
@@ -176,8 +189,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     for m, args in report["user_method_args"].items():
         lines.append(f"- `--method-args` for `{m}`: `{args}`")
     if report["net"]:
-        lines.append(f"- network: each worker in its own network namespace, {report['net']['description']} "
-                     f"(`--net {report['net']['spec']}`)")
+        g = report["net"].get("node_size") or 1
+        where = "each worker in its own network namespace" if g == 1 else (
+            f"each group of {g} workers in one network namespace (a node; unshaped loopback inside it)")
+        lines.append(f"- network: {where}, {report['net']['description']} (`--net {report['net']['spec']}`)")
     if report["interrupted"]:
         lines.append("- **interrupted**: methods after the interruption did not run")
     lines += ["", "## Results", "",
@@ -208,26 +223,21 @@ def render_markdown(report: dict[str, Any]) -> str:
               "\"time to DDP's …\": wall seconds at the first evaluation as good as DDP's final value."]
     for r in failed:
         lines += ["", f"**{r['method']} {r['status']}**: {r['error']}  ", f"run directory: `{r['run_dir']}`"]
-    measured = [r for r in report["methods"] if r.get("measured") and r["status"] == "complete"]
-    if measured:
-        lines += ["", "## Measured on the wire", "",
-                  "Bytes each worker's interface sent during the run (`/proc/net/dev` in its namespace, TCP/IP "
-                  "headers, acknowledgements and rendezvous included), against the ledger's counted wire bytes.", "",
-                  "| method | counted wire / worker | measured tx / worker (mean) | measured / counted | "
-                  "per worker (tx) | counted bytes at the link rate |", "|---|---:|---:|---:|---|---:|"]
-        for r in measured:
-            m = r["measured"]
-            lines.append(f"| {r['method']} | {human_bytes(m['counted_wire_bytes'])} | {human_bytes(m['tx_bytes_mean'])} "
-                         f"| {_fmt(m['ratio'], '.3f')} | {', '.join(human_bytes(t) for t in m['tx_bytes'])} | "
-                         f"{_fmt(m['ideal_wire_seconds'], '.2f', ' s')} |")
     done = [r for r in report["methods"] if r["status"] == "complete"]
+    lines += _time_to_targets(done, report)
+    lines += render_links([r for r in done if r.get("measured")])
     if done:
         phases = ordered_phases({p for r in done for p in r["by_phase"]})
-        lines += ["", "## Wire bytes per phase (per worker)", "", "| method | " + " | ".join(phases) + " |",
-                  "|---|" + "---:|" * len(phases)]
+        lines += ["", "## Wire bytes per phase (per worker)", "",
+                  "Each cell: between groups (`global`) / inside groups (`group`); – where the phase sent nothing.",
+                  "", "| method | " + " | ".join(phases) + " |", "|---|" + "---:|" * len(phases)]
         for r in done:
-            lines.append(f"| {r['method']} | " + " | ".join(
-                human_bytes(r["by_phase"][p]) if p in r["by_phase"] else "–" for p in phases) + " |")
+            split = r.get("by_scope_phase") or {"global": r["by_phase"], "group": {}}
+            cells = []
+            for p in phases:
+                g, i = split.get("global", {}).get(p), split.get("group", {}).get(p)
+                cells.append("–" if g is None and i is None else f"{human_bytes(g or 0)} / {human_bytes(i or 0)}")
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
     proj = report["projection"]
     if proj:
         lines += ["", "## Projection beyond one machine (a model, not a measurement)", "",
@@ -245,8 +255,31 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "|---|" + "---:|" * len(proj["workers"])]
         for m, secs in proj["comm_seconds_per_step"].items():
             lines.append(f"| {m} | " + " | ".join(f"{s * 1e3:.3g} ms" for s in secs) + " |")
+        if proj.get("scaled"):
+            lines += render_scaled(proj["scaled"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
     return "\n".join(lines)
+
+
+def _time_to_targets(done: list[dict[str, Any]], report: dict[str, Any]) -> list[str]:
+    """Wall seconds for each method to reach each method's final metric (on the shaped network with --net)."""
+    ppl = report["workload"]["metric"] == "perplexity"
+    key = "test_perplexity" if ppl else "test_accuracy"
+    targets = sorted({r["metric"] for r in done if r["metric"] is not None}, reverse=ppl)
+    if len(targets) < 2:
+        return []
+    where = f"through `--net {report['net']['spec']}`" if report["net"] else "on this machine"
+    name = "perplexity" if ppl else "accuracy"
+    head = [_fmt(t, ".2f") if ppl else _fmt(t * 100, ".2f", " %") for t in targets]
+    lines = ["", f"## Time to {name} ({where})", "",
+             f"Wall seconds until the first evaluation at least as good as each target (the final {name} of some "
+             f"method), \"–\" when never reached.", "",
+             "| method | " + " | ".join(head) + " |", "|---|" + "---:|" * len(targets)]
+    for r in done:
+        history = [{key: h.get(key), "wall_seconds": h["wall_seconds"]} for h in r["history"]]
+        lines.append(f"| {r['method']} | " + " | ".join(
+            _fmt(time_to_reach(history, t, report["workload"]["metric"]), ".1f", " s") for t in targets) + " |")
+    return lines
 
 
 def write_report(report: dict[str, Any], out: str) -> None:

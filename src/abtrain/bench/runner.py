@@ -94,7 +94,7 @@ class Outcome:
     returncode: int | None = None
     seconds: float = 0.0
     results: dict[str, Any] | None = None
-    measured: dict[str, Any] | None = None  # --net: interface counters of each worker during the run
+    measured: dict[str, Any] | None = None  # --net: interface counters of each node during the run
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "status": self.status, "error": self.error, "returncode": self.returncode,
@@ -106,18 +106,28 @@ def default_out(workload: str) -> str:
     return os.path.join("runs", f"bench-{workload}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _workers_of(args: list[str], default: int = 4) -> int:
-    """The worker count the flags ask for (the last --workers wins, as in argparse)."""
+def _int_flag(args: list[str], flag: str, default: int) -> int:
+    """The value of an integer flag (the last one wins, as in argparse); ``default`` when absent or bad."""
     value: str | None = None
     for i, arg in enumerate(args):
-        if arg == "--workers" and i + 1 < len(args):
+        if arg == flag and i + 1 < len(args):
             value = args[i + 1]
-        elif arg.startswith("--workers="):
+        elif arg.startswith(flag + "="):
             value = arg.split("=", 1)[1]
     try:
         return int(value) if value is not None else default
     except ValueError:
         return default  # the run itself reports the bad value
+
+
+def _workers_of(args: list[str], default: int = 4) -> int:
+    """The worker count the flags ask for."""
+    return _int_flag(args, "--workers", default)
+
+
+def _group_size_of(args: list[str]) -> int:
+    """The --group-size the flags ask for (1 when absent: then each worker is a group of its own under --net)."""
+    return _int_flag(args, "--group-size", 1)
 
 
 def _say(text: str) -> None:
@@ -170,10 +180,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 if stale:
                     _say(f"removed {len(stale)} network namespaces left by an earlier bench: {', '.join(stale)}")
                 world = _workers_of(outcomes[0].command)
-                network = netns.Network(world, spec)
+                network = netns.Network(world, spec, spec.node_size(_group_size_of(outcomes[0].command)))
                 network.setup()
-                _say(f"network: {world} workers, each in its own namespace ({network.name}-w*), "
-                     f"{spec.describe()}")
+                where = ("each in its own namespace" if network.layout == "worker" else
+                         f"{network.nodes} nodes of {network.node_size} (one namespace per group)")
+                _say(f"network: {world} workers, {where} ({network.namespace(0)[:-1]}*), {spec.describe()}")
             for i, outcome in enumerate(outcomes):
                 _say(f"\n[bench {i + 1}/{len(outcomes)}] {outcome.method}: $ abtrain "
                      + " ".join(shlex.quote(c) for c in outcome.command[3:]))
@@ -196,10 +207,12 @@ def _run_method(outcome: Outcome, network: netns.Network | None, port: int) -> N
     env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     os.makedirs(outcome.run_dir, exist_ok=True)
-    if network is not None and _workers_of(outcome.command) != network.workers:
+    if network is not None and (_workers_of(outcome.command) != network.workers
+                                or network.node_size not in (1, _group_size_of(outcome.command))):
         outcome.status = "failed"
-        outcome.error = (f"--net runs every method on the same {network.workers} workers; this run asks for "
-                         f"{_workers_of(outcome.command)}")
+        outcome.error = (f"--net runs every method on the same {network.workers} workers in nodes of "
+                         f"{network.node_size}; this run asks for {_workers_of(outcome.command)} workers in groups "
+                         f"of {_group_size_of(outcome.command)}")
         return
     start = time.perf_counter()
     before = network.counters() if network is not None else None
@@ -208,12 +221,16 @@ def _run_method(outcome: Outcome, network: netns.Network | None, port: int) -> N
             procs = [(outcome.command, env)]
         else:
             procs = []
+            # Every worker shares this machine's cores, as under the local launcher: the same threads per worker.
+            asked = any(a == "--threads" or a.startswith("--threads=") for a in outcome.command)
+            threads = [] if asked else [
+                "--threads", str(max(1, len(os.sched_getaffinity(0)) // network.workers))]
             for k in range(network.workers):
-                world_env = {**env, "RANK": str(k), "WORLD_SIZE": str(network.workers), "LOCAL_RANK": str(k),
-                             "LOCAL_WORLD_SIZE": str(network.workers), "MASTER_ADDR": network.address(0),
-                             "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": netns.IFNAME,
-                             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
-                procs.append((network.exec_prefix(k) + outcome.command, world_env))
+                world_env = {**env, "RANK": str(k), "WORLD_SIZE": str(network.workers),
+                             "LOCAL_RANK": str(k % network.node_size), "LOCAL_WORLD_SIZE": str(network.node_size),
+                             "MASTER_ADDR": network.address(0), "MASTER_PORT": str(port),
+                             "GLOO_SOCKET_IFNAME": netns.IFNAME, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+                procs.append((network.exec_prefix(k) + outcome.command + threads, world_env))
         rc, tail = _run_processes(procs, outcome.run_dir, prefix=f"  {outcome.method} | ")
     except KeyboardInterrupt:
         outcome.status, outcome.error = "interrupted", "interrupted by the user"
@@ -232,6 +249,7 @@ def _run_method(outcome: Outcome, network: netns.Network | None, port: int) -> N
     if network is not None and before is not None:
         after = network.counters()
         outcome.measured = {
+            "layout": network.layout, "node_size": network.node_size,
             "tx_bytes": [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)],
             "rx_bytes": [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(after, before)],
             "tx_packets": [a["tx_packets"] - b["tx_packets"] for a, b in zip(after, before)],

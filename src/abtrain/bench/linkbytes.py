@@ -1,0 +1,108 @@
+"""What crosses the links between nodes: expected from a run's ledger, against the interface counters.
+
+The ledger counts, per worker, the wire bytes of the ring model (``docs/accounting.md``); its ``global``
+scope is the collectives over process groups that span more than one group of workers. The bench's
+network measures something else: the bytes each *node's* interface sends (``--net``, one namespace per
+node of ``g`` contiguous ranks; the workers of a node talk over its loopback, which the interface never
+sees). The two are related through gloo's algorithms, measured on this network
+(4 workers in 2 nodes, payload ``b``; ``tests/test_bench.py`` checks the all-reduce, the broadcast
+and an all-reduce inside the nodes):
+
+- **all-reduce** is a ring over the ranks in order (rank r sends to r+1). With contiguous nodes every
+  node has exactly one outgoing ring edge that leaves it, so each node's link carries what *one* worker
+  sends, 2(p−1)/p · b: node tx = the ledger's per-worker bytes, while the node's ``g`` workers together
+  count ``g`` times that (measured: 1.50 b per node, p = 4). **all-gather** is a ring too:
+  (p−1) · b per node (measured 3.01 b).
+- **broadcast** goes out from the root's node only: every worker outside it receives one copy,
+  (p − g) · b in all (measured 2.00 b from node 0, nothing from node 1), where the ledger counts
+  (p−1)/p · b per worker.
+- **all-to-all** (pairwise): each worker sends (p−g)/p · b to other nodes (derived, not measured here).
+- collectives over a group that fits inside one node (``group`` scope with groups = nodes) send nothing.
+
+With one worker per node (``layout=worker``, g = 1) every collective crosses links and the same
+formulas give back the ledger's totals exactly. The interface also carries what the ledger does not
+model: TCP/IP and Ethernet headers (about 4.6 % of a full segment), acknowledgements, the rendezvous
+store (on rank 0's node) and the connection set-up; the check allows 10 %.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..results import human_bytes
+from .projection import group_size_of
+
+TOLERANCE = 0.10  # measured / expected within ±10 %
+
+
+def expected_link_tx(rows: list[dict[str, Any]], world: int, node_size: int) -> float:
+    """Bytes all node interfaces together send for a run's ledger ``rows`` (per-worker means, summed over calls)."""
+    g = max(1, node_size)
+    total = 0.0
+    for row in rows:
+        if row["calls"] == 0 or row["payload_bytes"] <= 0:
+            continue
+        p = min(world, group_size_of(row["op"], row["payload_bytes"], row["wire_bytes"]))
+        if p <= g:
+            continue  # the group sits inside one node (groups are nodes): only the node's loopback sees it
+        instances = world / p  # the group's copies over the world (one for the world itself)
+        if row["op"] in ("all_reduce", "all_gather", "reduce_scatter"):
+            total += (world / g) * row["wire_bytes"]  # every node sends one worker's ring share
+        elif row["op"] == "broadcast":
+            total += instances * (p - g) * row["payload_bytes"]
+        elif row["op"] == "all_to_all":
+            total += world * (p - g) / p * row["payload_bytes"]
+        else:
+            raise ValueError(f"unknown collective {row['op']!r}")
+    return total
+
+
+def link_check(results: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Measured node tx against the ledger: expected per node, the ratio, and whether it is within 10 %."""
+    world = int(results["world_size"])
+    node_size = int(measured.get("node_size", 1))
+    nodes = max(1, world // node_size)
+    tx = measured["tx_bytes"]
+    mean_tx = sum(tx) / len(tx)
+    expected = expected_link_tx(results["comm"]["rows"], world, node_size) / nodes
+    comm = results["comm"]
+    # What the ledger calls traffic between nodes: `global` when groups are nodes, everything when each worker is one.
+    ledger = comm["by_scope"]["global"]["wire_bytes"] if node_size > 1 else comm["wire_bytes"]
+    ratio = mean_tx / expected if expected > 0 else None
+    return {"layout": measured.get("layout", "worker"), "node_size": node_size, "nodes": nodes,
+            "tx_bytes_mean": mean_tx, "expected_tx_bytes": expected, "ledger_bytes": ledger,
+            "ratio": ratio, "ratio_to_ledger": mean_tx / ledger if ledger > 0 else None,
+            "within_tolerance": ratio is not None and abs(ratio - 1) <= TOLERANCE}
+
+
+def render(rows: list[dict[str, Any]]) -> list[str]:
+    """report.md's section on the bytes measured at each node's interface."""
+    if not rows:
+        return []
+    node = rows[0]["measured"]["node_size"] > 1
+    ledger = "ledger global / worker" if node else "ledger wire / worker"
+    lines = ["", "## Measured on the wire", "",
+             ("Bytes each node's interface sent during the run (`/proc/net/dev` in its namespace; a node is one "
+              "group of workers, whose traffic inside the node stays on its loopback), against what the ledger "
+              "predicts for the links between nodes under gloo's algorithms (ring all-reduce and all-gather: each "
+              "node sends one worker's share; broadcast: the root's node sends one copy to every worker outside "
+              "it; docs/bench.md). " if node else
+              "Bytes each worker's interface sent during the run (`/proc/net/dev` in its namespace), against the "
+              "ledger's counted wire bytes. ") + "TCP/IP headers, acknowledgements and the rendezvous are included "
+             f"in the measurement; ✓ when it is within {TOLERANCE:.0%} of the expected figure.", "",
+             f"| method | {ledger} | expected tx / node | measured tx / node (mean) | measured / expected | "
+             "measured / ledger | tx per node | counted bytes at the link rate | |",
+             "|---|---:|---:|---:|---:|---:|---|---:|:-:|"]
+    for r in rows:
+        m = r["measured"]
+        at_rate = f"{m['ideal_wire_seconds']:.2f} s" if m.get("ideal_wire_seconds") is not None else "–"
+        lines.append(
+            f"| {r['method']} | {human_bytes(m['ledger_bytes'])} | {human_bytes(m['expected_tx_bytes'])} | "
+            f"{human_bytes(m['tx_bytes_mean'])} | {_f(m['ratio'])} | {_f(m['ratio_to_ledger'])} | "
+            f"{', '.join(human_bytes(t) for t in m['tx_bytes'])} | {at_rate} | "
+            f"{'✓' if m['within_tolerance'] else '✗'} |")
+    return lines
+
+
+def _f(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
