@@ -1,4 +1,9 @@
-"""AB-training on real gloo worlds: sync identity, roles, groups, exact bytes, sync modes, ranks."""
+"""AB-training on a real gloo world: sync identity, roles, groups, exact bytes, sync modes, ranks.
+
+One spawned world of 4 workers (2 groups of 2) trains every configuration in
+turn, sharing the process groups, so the file spawns one world instead of one
+per test.
+"""
 
 import copy
 
@@ -6,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm import Communicator
 from abtrain.methods.ab import ABConfig, ABTraining
@@ -35,8 +41,7 @@ def _snapshot(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
-def _train(options, group_size=2, optimizer="sgd", steps=STEPS, plan=False):
-    topo = Topology.from_env(backend="gloo", device="cpu", group_size=group_size)
+def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     comm = Communicator()
     torch.manual_seed(0)
     model = Net()
@@ -92,13 +97,39 @@ def _train(options, group_size=2, optimizer="sgd", steps=STEPS, plan=False):
     out["float_buffers"] = sum(b.numel() for b in model.buffers() if b.is_floating_point())
     out["summary"] = comm.ledger.summary()
     out["results"] = method.extra_results()
+    return out
+
+
+CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
+    "with-stale": ({"rank_fraction": 0.25}, "sgd", STEPS, False),
+    "ranks": ({"tau": 0.5}, "adamw", STEPS, False),
+    "only-learned": ({"rank_fraction": 0.25, "sync": "only-learned"}, "sgd", T_W + K, False),
+    "full": ({"rank_fraction": 0.25, "sync": "full"}, "sgd", T_W + K, False),
+    "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
+    "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
+    # AB from step 14 to 16, then the last 3 steps full-rank DP after a sync at step 17
+    "final-rebound": ({"rank_fraction": 0.25, "final_rebound_steps": 3}, "sgd", 20, True),
+}
+
+
+def _train_all():
+    topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
+    out = {name: _train(topo, *args) for name, args in CONFIGS.items()}
+    out["ddp-wrapped"] = _ddp_wrapped(topo)
     topo.close()
     return out
 
 
 @pytest.fixture(scope="module")
-def with_stale():
-    return run_world(_train, 4, {"rank_fraction": 0.25})
+def runs():
+    """Each configuration's outputs, one per worker."""
+    outs = run_world(_train_all, 4)
+    return {name: [o[name] for o in outs] for name in outs[0]}
+
+
+@pytest.fixture(scope="module")
+def with_stale(runs):
+    return runs["with-stale"]
 
 
 def test_workers_identical_after_every_sync(with_stale):
@@ -186,8 +217,8 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     assert by_phase["sync"]["payload_bytes"] == expected_sync
 
 
-def test_ranks_agree_and_follow_the_rule():
-    outs = run_world(_train, 4, {"tau": 0.5}, 2, "adamw")
+def test_ranks_agree_and_follow_the_rule(runs):
+    outs = runs["ranks"]
     logs = [o["ranks_log"] for o in outs]
     assert all(log == logs[0] for log in logs)
     first, later = logs[0][0], logs[0][1:]
@@ -215,8 +246,8 @@ def test_ranks_agree_and_follow_the_rule():
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])
-def test_sync_modes_compute_the_spec_average(mode):
-    outs = run_world(_train, 4, {"rank_fraction": 0.25, "sync": mode}, 2, "sgd", T_W + K)
+def test_sync_modes_compute_the_spec_average(runs, mode):
+    outs = runs[mode]
     sync = [o["syncs"][0] for o in outs]
     for name in sync[0]["before"]:
         As = torch.stack([s["before"][name][0] for s in sync]).double()
@@ -231,19 +262,20 @@ def test_sync_modes_compute_the_spec_average(mode):
             assert torch.allclose(got, W, rtol=1e-5, atol=1e-6), (mode, name)
 
 
-def test_only_b_over_the_world_trains_b_with_dp_everywhere():
-    outs = run_world(_train, 2, {"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, 1, "sgd", T_W + K)
+def test_only_b_over_the_world_trains_b_with_dp_everywhere(runs):
+    outs = runs["only-b-world"]
     for o in outs:
         assert o["role"] == "B"
-        assert o["group_ranks"] == [0, 1]
+        assert o["group_ranks"] == [0, 1, 2, 3]  # across the 2 groups of 2
     last = outs[0]["steps"][-1]["after"]
-    for k, v in outs[1]["steps"][-1]["after"].items():
-        if "running" not in k and "num_batches" not in k:  # BatchNorm statistics are averaged at sync and eval
-            assert torch.equal(v, last[k]), k  # DP over all workers: no drift at all
+    for o in outs[1:]:
+        for k, v in o["steps"][-1]["after"].items():
+            if "running" not in k and "num_batches" not in k:  # BatchNorm statistics are averaged at sync and eval
+                assert torch.equal(v, last[k]), k  # DP over all workers: no drift at all
 
 
-def test_only_b_in_groups_trains_b_inside_groups_and_averages_it_at_sync():
-    outs = run_world(_train, 4, {"rank_fraction": 0.25, "sync": "only-b"}, 2, "sgd", 2 * K)
+def test_only_b_in_groups_trains_b_inside_groups_and_averages_it_at_sync(runs):
+    outs = runs["only-b"]
     for o in outs:
         assert o["role"] == "B"
         assert o["group_ranks"] == [2 * (o["rank"] // 2), 2 * (o["rank"] // 2) + 1]
@@ -271,9 +303,9 @@ def test_single_group_is_refused():
         ABTraining(Communicator(), Topology(rank=0, world_size=2, local_world_size=2), ABConfig())
 
 
-def test_final_rebound_ends_full_rank_inside_the_budget():
-    steps = 20  # AB from step 14 to 16, then the last 3 steps full-rank DP after a sync at step 17
-    outs = run_world(_train, 4, {"rank_fraction": 0.25, "final_rebound_steps": 3}, 2, "sgd", steps, True)
+def test_final_rebound_ends_full_rank_inside_the_budget(runs):
+    steps = CONFIGS["final-rebound"][2]
+    outs = runs["final-rebound"]
     for o in outs:
         assert [s["step"] for s in o["syncs"]] == [K, 2 * K, steps - 3]  # no extra sync when leaving attach
         assert [s["phase"] for s in o["steps"][-3:]] == ["rebound"] * 3
@@ -283,3 +315,34 @@ def test_final_rebound_ends_full_rank_inside_the_budget():
         if "running" not in k:
             for o in outs[1:]:
                 assert torch.equal(o["steps"][-1]["after"][k], v), k
+
+
+def _ddp_wrapped(topo):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                                nn.Linear(64, 16)))
+    method = ABTraining(Communicator(), topo, ABConfig(warmup_steps=1, cycle_steps=3, rebound_steps=1))
+    model = method.prepare(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(topo.rank)
+    with method.attach(opt):
+        for _ in range(7):
+            loss = model(torch.randn(8, 16, generator=gen)).logsumexp(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.kept,
+           "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
+    del ddp
+    return out
+
+
+def test_a_ddp_wrapped_model_is_unwrapped_and_trains(runs):
+    outs = runs["ddp-wrapped"]
+    for o in outs:
+        assert o["unwrapped"]
+        assert o["names"] == ["0.weight", "2.weight", "4.weight"]  # no "module." prefix
+        assert o["kept"] == ["4.weight"]
+    for k, v in outs[0]["weights"].items():  # the run ends with a sync: one model everywhere
+        for o in outs[1:]:
+            assert torch.equal(v, o["weights"][k]), k

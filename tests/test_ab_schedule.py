@@ -1,14 +1,12 @@
-"""AB-training's schedule and its guards for real models: single process where the math allows, gloo otherwise."""
+"""AB-training's schedule and its guards for real models, in one process (a DDP-wrapped model on gloo: test_ab.py)."""
 
 import pytest
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm import Communicator
 from abtrain.methods.ab import ABConfig, ABTraining, Schedule
 from abtrain.topology import Topology
-from helpers import run_world
 
 
 def _phases(s: Schedule, total: int) -> list[tuple[str, int, int]]:
@@ -104,35 +102,3 @@ def test_output_layer_found_by_the_graph_and_the_floor_holds(warmup):
     # rank_fraction 0.1 of 64 is 6: the floor (8) holds at every decomposition
     assert all(d["layers"]["grouped.weight"] == 8 for d in method.ranks)
     assert method.ranks[0]["step"] == warmup  # warm-up 0: decomposed before the first step
-
-
-def _ddp_wrapped():
-    topo = Topology.from_env(backend="gloo", device="cpu", group_size=1)
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                                                nn.Linear(64, 16)))
-    method = ABTraining(Communicator(), topo, ABConfig(warmup_steps=1, cycle_steps=3, rebound_steps=1))
-    model = method.prepare(ddp)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(topo.rank)
-    with method.attach(opt):
-        for _ in range(7):
-            loss = model(torch.randn(8, 16, generator=gen)).logsumexp(1).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.kept,
-           "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
-    del ddp
-    topo.close()
-    return out
-
-
-def test_a_ddp_wrapped_model_is_unwrapped_and_trains():
-    outs = run_world(_ddp_wrapped, 2)
-    for o in outs:
-        assert o["unwrapped"]
-        assert o["names"] == ["0.weight", "2.weight", "4.weight"]  # no "module." prefix
-        assert o["kept"] == ["4.weight"]
-    for k, v in outs[0]["weights"].items():  # the run ends with a sync: one model everywhere
-        assert torch.equal(v, outs[1]["weights"][k]), k

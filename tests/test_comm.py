@@ -92,3 +92,36 @@ def test_single_process_is_same_code_with_communication_skipped():
 def test_group_scope_is_validated():
     with pytest.raises(ValueError, match="scope"):
         Group("world", 2, "planet")
+
+
+class _Event:
+    """Stands in for a CUDA event: a time stamp in milliseconds, finished or not."""
+
+    def __init__(self, ms, done=True):
+        self.ms, self.done, self.waited = ms, done, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = self.done = True
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
+def test_device_collective_times_are_read_at_the_summary_not_at_the_collective(monkeypatch):
+    ledger = Ledger()
+    world = Group("world", 2, "global")
+    end = _Event(250.0, done=False)
+    ledger.record("all_reduce", world, torch.zeros(4), 0.0, (_Event(0.0), end))
+    assert not end.waited and ledger.device_times.pending  # nothing waited for the device yet
+    assert ledger.summary()["seconds"] == pytest.approx(0.25) and end.waited
+    assert not ledger.device_times.pending
+    # Many pending pairs: the finished ones are read without waiting, the others stay.
+    monkeypatch.setattr(type(ledger.device_times), "LIMIT", 2)
+    late = _Event(40.0, done=False)
+    ledger.record("all_reduce", world, torch.zeros(4), 0.0, (_Event(0.0), _Event(10.0)))
+    ledger.record("all_reduce", world, torch.zeros(4), 0.0, (_Event(0.0), late))
+    assert len(ledger.device_times.pending) == 1 and not late.waited
+    assert ledger.summary()["seconds"] == pytest.approx(0.25 + 0.01 + 0.04)

@@ -1,5 +1,6 @@
 """DDP on real gloo worlds: identical workers, exact byte counts, reproducibility."""
 
+import os
 import tempfile
 
 import pytest
@@ -11,9 +12,17 @@ from abtrain.train import Trainer
 from helpers import run_world
 
 
-def _train(cfg_dict, run_dir):
+def _train_all(cfg_dicts, run_dir):
+    """Train each config in turn in this world (one spawn for several runs)."""
+    topo = Topology.from_env(backend="gloo", device="cpu", group_size=TrainConfig.from_dict(cfg_dicts[0]).group_size)
+    outs = [_train(topo, cfg_dict, os.path.join(run_dir, str(i))) for i, cfg_dict in enumerate(cfg_dicts)]
+    topo.close()
+    return outs
+
+
+def _train(topo, cfg_dict, run_dir):
     cfg = TrainConfig.from_dict(cfg_dict)
-    topo = Topology.from_env(backend="gloo", device="cpu", group_size=cfg.group_size)
+    os.makedirs(run_dir, exist_ok=True)
     trainer = Trainer(cfg, topo, run_dir)
     results = trainer.run()
     state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -22,7 +31,6 @@ def _train(cfg_dict, run_dir):
            "float_buffers": sum(b.numel() for b in trainer.model.buffers() if b.is_floating_point()),
            "other_buffers_bytes": sum(b.numel() * b.element_size() for b in trainer.model.buffers()
                                       if not b.is_floating_point())}
-    topo.close()
     return out
 
 
@@ -33,10 +41,24 @@ def _cfg(fashion_dir, **kw):
     return base
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_workers_identical_and_bytes_exact(fashion_dir, world):
+def _resnet(fashion_dir):
+    return _cfg(fashion_dir, model="resnet", steps=4)
+
+
+@pytest.fixture(scope="module")
+def two_workers(fashion_dir):
+    """One world of 2: the CNN of the byte checks, then the ResNet of the reproducibility check."""
     with tempfile.TemporaryDirectory() as run_dir:
-        outs = run_world(_train, world, _cfg(fashion_dir, group_size=2 if world == 4 else None), run_dir)
+        return run_world(_train_all, 2, [_cfg(fashion_dir), _resnet(fashion_dir)], run_dir)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_workers_identical_and_bytes_exact(fashion_dir, two_workers, world):
+    if world == 2:
+        outs = [o[0] for o in two_workers]
+    else:
+        with tempfile.TemporaryDirectory() as run_dir:
+            outs = [o[0] for o in run_world(_train_all, world, [_cfg(fashion_dir, group_size=2)], run_dir)]
     ref = outs[0]["state"]
     for o in outs[1:]:
         assert o["state"].keys() == ref.keys()
@@ -73,10 +95,10 @@ def test_workers_identical_and_bytes_exact(fashion_dir, world):
     assert all(out["results"] is None for out in outs[1:])
 
 
-def test_same_seed_same_weights(fashion_dir):
-    finals = []
-    for _ in range(2):
-        with tempfile.TemporaryDirectory() as run_dir:
-            finals.append(run_world(_train, 2, _cfg(fashion_dir, model="resnet", steps=4), run_dir)[0]["state"])
+def test_same_seed_same_weights(fashion_dir, two_workers):
+    # a second world (new processes: nothing carried over in memory) against the first one's run
+    with tempfile.TemporaryDirectory() as run_dir:
+        again = run_world(_train_all, 2, [_resnet(fashion_dir)], run_dir)[0][0]["state"]
+    finals = [two_workers[0][1]["state"], again]
     for k in finals[0]:
         assert torch.equal(finals[0][k], finals[1][k]), k

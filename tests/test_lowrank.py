@@ -243,19 +243,19 @@ def test_state_dict_round_trip_restores_factors_and_mode():
 def test_rank_rules():
     sigma = torch.tensor([10.0, 5.0, 2.0, 1.5, 1.0, 0.1])
     # τ = 0.15: σ_i > 1.5 -> 10, 5, 2 (1.5 is not strictly greater).
-    assert lr.choose_rank(sigma, tau=0.15) == 3
-    assert lr.choose_rank(sigma, tau=0.99) == 1
-    assert lr.choose_rank(sigma, rank=4) == 4
-    assert lr.choose_rank(sigma, rank=100) == 6
-    assert lr.choose_rank(sigma, fraction=0.5) == 3
-    assert lr.choose_rank(sigma, fraction=0.01) == 1
-    assert lr.choose_rank(sigma, fraction=1.0) == 6
+    assert lr.RankRule(tau=0.15).choose(sigma) == 3
+    assert lr.RankRule(tau=0.99).choose(sigma) == 1
+    assert lr.RankRule(rank=4).choose(sigma) == 4
+    assert lr.RankRule(rank=100).choose(sigma) == 6
+    assert lr.RankRule(fraction=0.5).choose(sigma) == 3
+    assert lr.RankRule(fraction=0.01).choose(sigma) == 1
+    assert lr.RankRule(fraction=1.0).choose(sigma) == 6
     # σ² = 100, 25, 4, 2.25, 1, 0.01; total 132.26. 100/132.26 = 0.756, 125/132.26 = 0.945.
-    assert lr.choose_rank(sigma, energy=0.75) == 1
-    assert lr.choose_rank(sigma, energy=0.9) == 2
-    assert lr.choose_rank(sigma, energy=1.0) == 6
-    assert lr.choose_rank(sigma, tau=0.05, max_rank=2) == 2
-    assert lr.choose_rank(torch.zeros(4), tau=0.15) == 1
+    assert lr.RankRule(energy=0.75).choose(sigma) == 1
+    assert lr.RankRule(energy=0.9).choose(sigma) == 2
+    assert lr.RankRule(energy=1.0).choose(sigma) == 6
+    assert lr.RankRule(tau=0.05, max_rank=2).choose(sigma) == 2
+    assert lr.RankRule(tau=0.15).choose(torch.zeros(4)) == 1
 
 
 @pytest.mark.parametrize(
@@ -275,7 +275,7 @@ def test_rank_rules():
 )
 def test_rank_rules_reject_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        lr.choose_rank(torch.ones(3), **kwargs)
+        lr.RankRule(**kwargs).choose(torch.ones(3))
 
 
 def test_pays_boundaries():

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .device_timing import EventTimes
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 SCOPES = ("global", "group")
 
@@ -113,8 +115,11 @@ class Ledger:
     def follow(self, source: Any) -> None:
         """Label traffic outside :meth:`in_phase` blocks with ``source.phase`` (a method's current phase)."""
         self._source = source
+    device_times: EventTimes = field(default_factory=EventTimes, repr=False, compare=False)  # CUDA collectives
 
-    def record(self, op: str, group: Group, tensor: torch.Tensor, seconds: float) -> tuple[int, float]:
+    def record(self, op: str, group: Group, tensor: torch.Tensor, seconds: float, events: Any = None
+               ) -> tuple[int, float]:
+        """Count one collective; ``events`` (start, end CUDA events) give its time later instead of ``seconds``."""
         payload = tensor.numel() * tensor.element_size()
         wire = wire_bytes(op, payload, group.size)
         if self.enabled:
@@ -127,6 +132,8 @@ class Ledger:
             row.payload_bytes += payload
             row.wire_bytes += wire
             row.seconds += seconds
+            if events is not None:
+                self.device_times.add(row, *events)
         return payload, wire
 
     def add_seconds(self, op: str, group: Group, dtype: torch.dtype, phase: str, seconds: float) -> None:
@@ -164,6 +171,7 @@ class Ledger:
 
     def summary(self) -> dict[str, Any]:
         """The ``comm`` section of results.json (per worker, summed over the run)."""
+        self.device_times.resolve()
         total = self._sum(lambda k: True)
         phases = sorted({k[5] for k in self.rows})
         return {
@@ -183,6 +191,7 @@ class Ledger:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        self.device_times.resolve()
         return {"rows": [[list(k), vars(r).copy()] for k, r in self.rows.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -232,11 +241,15 @@ class Communicator:
 
     @contextlib.contextmanager
     def _timed(self, op: str, group: Group, tensor: torch.Tensor) -> Iterator[None]:
+        # On a GPU: CUDA events around the collective, read at the next summary (no synchronize here).
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if tensor.is_cuda else None
         with self._guarded(op, group) as start:
+            if events:
+                events[0].record()
             yield
-            if tensor.is_cuda:
-                torch.cuda.synchronize(tensor.device)
-        self.ledger.record(op, group, tensor, time.perf_counter() - start)
+            if events:
+                events[1].record()
+        self.ledger.record(op, group, tensor, 0.0 if events else time.perf_counter() - start, events)
 
     def barrier(self, group: Group) -> None:
         """Wait until every member of ``group`` arrives. Not a data transfer: nothing is recorded in the ledger."""
@@ -366,6 +379,7 @@ class Communicator:
         abtrain's methods) fall back to this worker's own summary.
         """
         ledger = self.ledger
+        ledger.device_times.resolve()
         keys = sorted(ledger.rows)
         stats = torch.tensor([[ledger.rows[k].payload_bytes, ledger.rows[k].wire_bytes, ledger.rows[k].calls,
                                ledger.rows[k].seconds, ledger.rows[k].numel] for k in keys],

@@ -4,15 +4,19 @@ One seam (``reduce(named_grads, group)``) with three implementations, each
 sending its traffic through the :class:`~abtrain.comm.Communicator` so the
 ledger counts exactly what travels:
 
-* :class:`AllReduce` -- one flat fp32 all-reduce (ordinary data parallelism).
+* :class:`AllReduce` -- one flat all-reduce, summed then divided by the group size.
 * :class:`BF16AllReduce` -- the same buffer sent as bfloat16 (half the bytes).
 * :class:`PowerSGDReducer` -- rank-r PowerSGD with error feedback and warm start
-  (Vogels et al., NeurIPS 2019, Algorithm 1): each gradient matrix M (plus its
-  error memory) is sent as P = M·Q and Q = Mᵀ·P̂ (r·(m+n) numbers instead of m·n);
-  tensors that would not shrink (1-D, small) go uncompressed in P's buffer.
+  (Vogels et al., NeurIPS 2019, Algorithm 1, in the form of torch's
+  ``powerSGD_hook``): each gradient matrix M (plus its error memory) is sent as
+  P = M·Q and Q = Mᵀ·P̂ (r·(m+n) numbers instead of m·n); tensors that would
+  not shrink (1-D, small) are averaged uncompressed.
 
-Every worker ends a ``reduce`` with the same gradients. Reducers hold state
-(error memories, warm-start Qs) keyed by parameter name, so it checkpoints.
+Every worker ends a ``reduce`` with the same gradients. ``reduce_async`` is the
+same reduction returning a future (DDP's communication hook waits on it, see
+:mod:`abtrain.ddp_hook`). Reducers hold state (error memories, warm-start Qs)
+keyed by parameter name, so it checkpoints. Policy -- when to compress, which
+phase uses which reducer -- belongs to the methods, not here.
 """
 
 from __future__ import annotations
@@ -20,11 +24,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .comm import Communicator, Group
 
 NamedGrads = Sequence[tuple[str, torch.Tensor]]
+
+
+def _done() -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(None)
+    return fut
 
 
 class Reducer:
@@ -36,6 +47,11 @@ class Reducer:
     def reduce(self, grads: NamedGrads, group: Group) -> None:
         raise NotImplementedError
 
+    def reduce_async(self, grads: NamedGrads, group: Group) -> torch.futures.Future:
+        """:meth:`reduce`, as a future that completes when ``grads`` hold the average (here: at once)."""
+        self.reduce(grads, group)
+        return _done()
+
     def reset(self) -> None:
         """Forget memories that belong to the gradients of an earlier phase."""
 
@@ -46,107 +62,196 @@ class Reducer:
         pass
 
 
+def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 class AllReduce(Reducer):
-    """Plain averaging: one flat all-reduce per dtype."""
+    """Plain averaging: one flat all-reduce per dtype (sum, then divide by the group size)."""
 
     def reduce(self, grads: NamedGrads, group: Group) -> None:
         self.comm.all_reduce_tensors([g for _, g in grads], group, average=True)
 
+    def reduce_async(self, grads: NamedGrads, group: Group) -> torch.futures.Future:
+        tensors = [g for _, g in grads]
+        if group.size <= 1 or not tensors or len({t.dtype for t in tensors}) > 1:
+            return super().reduce_async(grads, group)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+
+        def average(fut: torch.futures.Future) -> None:
+            _unpack(fut.value().div_(group.size), tensors)
+
+        return self.comm.all_reduce_async(flat, group, average=False).then(average)
+
 
 class BF16AllReduce(Reducer):
-    """Averaging with the buffer sent as bfloat16 (divided by the group size before the sum)."""
+    """Averaging with the buffer sent as bfloat16 (divided by the group size before the sum, against overflow)."""
 
     def reduce(self, grads: NamedGrads, group: Group) -> None:
         self.comm.all_reduce_tensors([g for _, g in grads], group, average=True, wire_dtype=torch.bfloat16)
 
+    def reduce_async(self, grads: NamedGrads, group: Group) -> torch.futures.Future:
+        tensors = [g for _, g in grads]
+        if group.size <= 1 or not tensors or len({t.dtype for t in tensors}) > 1:
+            return super().reduce_async(grads, group)
+        sent = torch.cat([t.reshape(-1) for t in tensors]).to(torch.bfloat16).div_(group.size)
+        return self.comm.all_reduce_async(sent, group, average=False).then(lambda fut: _unpack(fut.value(), tensors))
 
-def _orthonormal_columns(m: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Gram-Schmidt on the columns of ``m`` (n x r), in place; the same on every worker for the same input."""
-    for i in range(m.shape[1]):
-        col = m[:, i]
-        col.div_(col.norm() + eps)
-        if i + 1 < m.shape[1]:
-            rest = m[:, i + 1:]
-            rest.sub_(col[:, None] * (col @ rest)[None, :])
-    return m
+
+def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
+    """Orthonormalise the columns of each matrix of a batch (b × n × r) in place.
+
+    QR for r > 2 in full precision (faster), Gram-Schmidt otherwise; ``epsilon``
+    (Gram-Schmidt only) keeps an all-zero column from dividing by zero. The
+    choice and the arithmetic are those of torch's PowerSGD hook, so both give
+    the same bits.
+    """
+    rank = matrices.shape[2]
+    if rank > 2 and matrices.dtype not in (torch.float16, torch.bfloat16):
+        r = torch.empty(matrices.shape[0], rank, rank, device=matrices.device, dtype=matrices.dtype)
+        torch.linalg.qr(matrices, out=(matrices, r))
+        return
+    for i in range(rank):
+        col = matrices[:, :, i:i + 1]
+        norm = torch.norm(col, dim=1, keepdim=True)
+        col /= norm + epsilon if epsilon else norm
+        if i + 1 < rank:
+            rest = matrices[:, :, i + 1:]
+            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
 
 
 class PowerSGDReducer(Reducer):
-    """Rank-``rank`` PowerSGD with error feedback; a matrix is compressed when r(m+n) < m·n / 2."""
+    """Rank-``rank`` PowerSGD; a gradient viewed as the m×n matrix is compressed when (m+n)·r·rate < m·n.
 
-    def __init__(self, comm: Communicator, rank: int = 4, seed: int = 0) -> None:
+    Per call: add each gradient's error memory; sum-average the uncompressed
+    tensors (one collective); P = M·Q summed (one collective) and
+    orthonormalised; Q = Mᵀ·P averaged (one collective); M ≈ P·Qᵀ; the error
+    memory keeps what this worker's (corrected) gradient lost. Random Qs come
+    from ``seed`` through one NumPy stream, one draw per new set of tensors
+    (the same on every worker); with ``warm_start`` each Q starts from the last one.
+    """
+
+    def __init__(self, comm: Communicator, rank: int = 4, *, min_compression_rate: float = 2.0,
+                 error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+                 seed: int = 0) -> None:
         super().__init__(comm)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
         self.rank = rank
-        self.seed = seed
+        self.min_compression_rate = min_compression_rate
+        self.error_feedback = error_feedback
+        self.warm_start = warm_start
+        self.epsilon = orthogonalization_epsilon
+        self.rng = np.random.RandomState(seed)
         self.errors: dict[str, torch.Tensor] = {}
         self.qs: dict[str, torch.Tensor] = {}
+        self.seen: set[tuple[str, ...]] = set()  # sets of tensors whose Qs were drawn
+        self.numel_before = 0  # elements handed to the compressed reductions
+        self.numel_after = 0  # elements they sent: uncompressed tensors, every P and Q
+
+    def _rank_of(self, grad: torch.Tensor) -> int | None:
+        """r for ``grad`` viewed m×n, or None when compression would not pay."""
+        if grad.ndim == 0 or grad.numel() == 0:
+            return None
+        m = grad.shape[0]
+        n = grad.numel() // m
+        r = min(m, n, self.rank)
+        return r if (m + n) * r * self.min_compression_rate < m * n else None
 
     def compressible(self, grad: torch.Tensor) -> bool:
-        if grad.ndim < 2:
-            return False
-        m, n = grad.shape[0], grad[0].numel()
-        r = min(self.rank, m, n)
-        return 2 * r * (m + n) < m * n
+        return self._rank_of(grad) is not None
 
-    def _q(self, name: str, n: int, r: int, device: torch.device) -> torch.Tensor:
-        q = self.qs.get(name)
-        if q is None or q.shape != (n, r):
-            # The same seed on every worker gives the same Q (only its first use is random).
-            gen = torch.Generator().manual_seed(self.seed + sum(map(ord, name)) * 7919 + n)
-            q = torch.randn(n, r, generator=gen).to(device)
-            self.qs[name] = q
-        return q
+    @property
+    def compression_rate(self) -> float:
+        return self.numel_before / self.numel_after if self.numel_after else 0
 
     @torch.no_grad()
     def reduce(self, grads: NamedGrads, group: Group) -> None:
-        if group.size <= 1:
+        if group.size <= 1 or not grads:
             return
-        low = [(name, g) for name, g in grads if self.compressible(g)]
-        plain = [g for name, g in grads if not self.compressible(g)]
-        mats, ps, qs = [], [], []
-        for name, g in low:
-            m = g.reshape(g.shape[0], -1)
-            err = self.errors.get(name)
-            if err is not None:
-                m.add_(err)  # the gradient the last compressions did not deliver
-            q = self._q(name, m.shape[1], min(self.rank, *m.shape), g.device)
-            _orthonormal_columns(q)
-            mats.append(m)
-            ps.append(m @ q)
-            qs.append(q)
-        # Step 1: the Ps (summed) and the uncompressed tensors (averaged) in one collective.
-        flat = torch.cat([p.reshape(-1) for p in ps] + [t.reshape(-1) / group.size for t in plain])
-        self.comm.all_reduce(flat, group)
-        offset = 0
-        for p in ps:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        for t in plain:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-        if not mats:
-            return
-        # Step 2: Q = M^T P over an orthonormal P, averaged; the approximation is P Q^T.
-        for p, q, m in zip(ps, qs, mats):
-            _orthonormal_columns(p)
-            torch.matmul(m.T, p, out=q)
-        self.comm.all_reduce_tensors(qs, group, average=True)
-        for (name, _), m, p, q in zip(low, mats, ps, qs):
-            approx = p @ q.T
-            self.errors[name] = m - approx  # what this worker's gradient lost in the compression
-            m.copy_(approx)
+        if self.error_feedback:
+            for name, g in grads:
+                if name in self.errors:
+                    g.add_(self.errors[name])  # the gradient earlier compressions did not deliver
+            sent = [g.clone() for _, g in grads]
+        plain, low = [], []
+        for name, g in grads:
+            r = self._rank_of(g)
+            self.numel_before += g.numel()
+            if r is None:
+                plain.append(g)
+                self.numel_after += g.numel()
+            else:
+                low.append((name, g.view(1, g.shape[0], -1), r))
+                self.numel_after += (g.shape[0] + g.numel() // g.shape[0]) * r
+        # Matrices of one shape next to each other (torch's order: it decides which random numbers each Q gets).
+        by_shape: dict[torch.Size, list[tuple[str, torch.Tensor, int]]] = {}
+        for item in low:
+            by_shape.setdefault(item[1].shape, []).append(item)
+        low = [item for same in by_shape.values() for item in same]
+        dtype, device = grads[0][1].dtype, grads[0][1].device
+        p_flat = torch.empty(sum(m.shape[1] * r for _, m, r in low), dtype=dtype, device=device)
+        q_flat = torch.empty(sum(m.shape[2] * r for _, m, r in low), dtype=dtype, device=device)
+        ps, qs, p_at, q_at = [], [], 0, 0
+        for _, m, r in low:
+            ps.append(p_flat[p_at:p_at + m.shape[1] * r].view(1, m.shape[1], r))
+            qs.append(q_flat[q_at:q_at + m.shape[2] * r].view(1, m.shape[2], r))
+            p_at += m.shape[1] * r
+            q_at += m.shape[2] * r
+        key = tuple(name for name, _ in grads)
+        if self.warm_start and key in self.seen:
+            for (name, _, _), q in zip(low, qs):
+                q.copy_(self.qs[name])
+                orthogonalize(q, self.epsilon)
+        else:
+            self.seen.add(key)
+            # A generator of its own (the global RNG stays untouched), seeded as torch's hook seeds the global one.
+            gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, generator=gen, dtype=dtype))
+                orthogonalize(q, self.epsilon)
+        for (_, m, _), q, p in zip(low, qs, ps):
+            torch.bmm(m, q, out=p)
+        if plain:
+            flat = torch.cat([t.reshape(-1) for t in plain])
+            _unpack(self.comm.all_reduce(flat, group, average=True), plain)
+        if low:
+            self.comm.all_reduce(p_flat, group)  # a sum: the Ps are orthonormalised next
+            for p in ps:
+                orthogonalize(p, self.epsilon)
+            for (_, m, _), p, q in zip(low, ps, qs):
+                torch.bmm(m.transpose(1, 2), p, out=q)
+            self.comm.all_reduce(q_flat, group, average=True)
+            for (_, m, _), p, q in zip(low, ps, qs):
+                torch.bmm(p, q.transpose(1, 2), out=m)
+            if self.warm_start:
+                self.qs.update((name, q) for (name, _, _), q in zip(low, qs))
+        if self.error_feedback:
+            for (name, g), before in zip(grads, sent):
+                self.errors[name] = before - g  # what this worker's gradient lost in the reduction
 
     def reset(self) -> None:
         self.errors.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"errors": dict(self.errors), "qs": dict(self.qs)}
+        # NumPy's RandomState as plain values and a tensor, loadable with torch.load(weights_only=True).
+        kind, keys, pos, has_gauss, cached = self.rng.get_state()
+        return {"errors": dict(self.errors), "qs": dict(self.qs), "seen": [list(k) for k in sorted(self.seen)],
+                "numel_before": self.numel_before, "numel_after": self.numel_after,
+                "rng": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.errors = dict(state["errors"])
         self.qs = dict(state["qs"])
+        self.seen = {tuple(k) for k in state["seen"]}
+        self.numel_before, self.numel_after = state["numel_before"], state["numel_after"]
+        rng = state["rng"]
+        self.rng.set_state((rng["kind"], rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
+                            rng["cached_gaussian"]))
 
 
 DENSE_REDUCERS = ("fp32", "bf16", "powersgd")
@@ -159,5 +264,5 @@ def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0) -
     if kind == "bf16":
         return BF16AllReduce(comm)
     if kind == "powersgd":
-        return PowerSGDReducer(comm, rank=rank, seed=seed)
+        return PowerSGDReducer(comm, rank=rank, seed=seed, orthogonalization_epsilon=1e-8)
     raise ValueError(f"unknown gradient reducer {kind!r}; choose one of: {', '.join(DENSE_REDUCERS)}")

@@ -21,7 +21,6 @@ import collections
 import copy
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,201 +28,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
-from ..comm import Communicator, Group
-from ..reducers import DENSE_REDUCERS, build_reducer
+from ..comm import Communicator
+from ..grad_buckets import OverlappedAverage
+from ..reducers import build_reducer
 from ..topology import Topology
-from ..validate import Options, opt
+from .ab_config import ABConfig, check_topology, default_group_size
+from .ab_schedule import Schedule
+from .ab_sync import average_models, full_rank_tensors
 from .base import Method, optimizer_moments
 from .registry import MethodSpec, register
 
 log = logging.getLogger(__name__)
 
-SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
-ONLY_B_GROUPS = ("group", "world")
-SPLITS = ("sqrt", "sigma")
-SYNC_DTYPES = ("fp32", "bf16")
-STATE_POLICIES = ("keep", "reset")
-INITS = ("default", "ortho-sigma")
-DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
+__all__ = ["ABConfig", "ABTraining", "Schedule", "check_topology", "default_group_size"]
+
 LOSS_JUMP = 1.5  # a truncation that lifts the training loss by this factor is reported
 LOSS_WINDOW = 10  # steps of training loss compared before and after a truncation
-
-
-@dataclass
-class ABConfig(Options):
-    """Options of AB-training; the CLI exposes each as ``--ab-<name>``."""
-
-    section = "ab"
-    warmup_fraction: float = opt(0.25, "share of the run's steps trained full-rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
-    cycle_fraction: float = opt(0.06, "sync period K as a share of the run's steps (0.06: about 12 syncs after a 25 %% warm-up); --ab-cycle-steps overrides it")
-    rebound_fraction: float = opt(0.1, "full-rank DP steps after each sync (F) as a share of K; --ab-rebound-steps overrides it")
-    lr_rebound_fraction: float = opt(0.3, "learning-rate ramp after each phase switch (R) as a share of K (0 disables); --ab-lr-rebound-steps overrides it")
-    warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
-    cycle_steps: int | None = opt(None, "steps per cycle K, instead of the fraction: a sync at every multiple of K after warm-up")
-    rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F < K), instead of the fraction; 0 re-decomposes right after the sync")
-    lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
-    tau: float | None = opt(None, "relative rank cut-off: keep singular values > tau * sigma_1 (the rule used, with 0.15, when no other rank rule is given)")
-    rank: int | None = opt(None, "fixed rank for every factorised layer")
-    rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
-    energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
-    min_rank: int = opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
-    min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
-    truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
-    sync: str = opt("with-stale", "sync mode", choices=SYNC_MODES)
-    only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
-    independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
-    final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
-    lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
-    split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
-    optimizer_state: str = opt("keep", "keep (resized) or reset the optimizer state of factors at each decomposition", choices=STATE_POLICIES)
-    init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
-    full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
-    dense_comm: str = opt("fp32", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
-    powersgd_rank: int = opt(4, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
-    sync_dtype: str = opt("fp32", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
-    keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
-    quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
-
-    def check(self) -> None:
-        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
-        if self.cycle_steps is not None and self.cycle_steps < 1:
-            raise ValueError(f"--ab-cycle-steps must be a positive integer, got {self.cycle_steps!r}")
-        for name in ("warmup_fraction", "cycle_fraction", "rebound_fraction", "lr_rebound_fraction"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0 or (name == "cycle_fraction" and value == 0.0):
-                raise ValueError(f"--ab-{name.replace('_', '-')} must be in {'(0' if name == 'cycle_fraction' else '[0'}, 1), "
-                                 f"got {value!r}")
-        if self.cycle_steps is not None and self.rebound_steps is not None and self.rebound_steps >= self.cycle_steps:
-            raise ValueError(f"--ab-rebound-steps (F={self.rebound_steps}) must be smaller than --ab-cycle-steps "
-                             f"(K={self.cycle_steps}): each cycle is F rebound steps then K-F AB steps")
-        if self.min_rank < 1:
-            raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
-        if self.powersgd_rank < 1:
-            raise ValueError(f"--ab-powersgd-rank must be >= 1, got {self.powersgd_rank}")
-        rules = [n for n in ("tau", "rank", "rank_fraction", "energy") if getattr(self, n) is not None]
-        if len(rules) > 1:
-            raise ValueError(f"choose one rank rule, got {', '.join('--ab-' + r.replace('_', '-') for r in rules)}")
-        if not rules:
-            self.tau = DEFAULT_TAU
-        self.rank_rule()  # validates the values
-        if self.min_compression is not None and self.min_compression <= 0:
-            raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
-        if not self.lr_floor >= 0:
-            raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
-
-    @property
-    def needs_budget(self) -> bool:
-        """True when the schedule is given as fractions of the run, which must then be told its length."""
-        return self.warmup_steps is None or self.cycle_steps is None
-
-    def rank_rule(self) -> lowrank.RankRule:
-        try:
-            return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction, energy=self.energy)
-        except ValueError as exc:
-            raise ValueError(f"AB-training rank rule: {exc}") from None
-
-    @property
-    def patterns(self) -> tuple[str, ...]:
-        return tuple(p.strip() for p in self.full_rank.split(",") if p.strip())
-
-
-def check_topology(cfg: ABConfig, world_size: int, group_size: int, cli: bool = True) -> None:
-    """The group layout AB-training needs; raises before any training starts.
-
-    ``cli`` words the fix as flags (``--group-size 2``), else as keyword arguments (``group_size=2``).
-    """
-    def opt(name: str, value: Any) -> str:
-        return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
-
-    if world_size % group_size:
-        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
-                         f"choose a {'--group-size' if cli else 'group_size='} that divides the number of workers")
-    if cfg.sync != "only-b" and world_size == 1:
-        start = "--workers 2 (or more)" if cli else "torchrun --nproc-per-node 2 (or more)"
-        raise ValueError(f"AB-training trains A and B in different groups of workers, so it needs at least 2; "
-                         f"this is a world of one process: start it with {start}, or use "
-                         f"{opt('ab_sync' if cli else 'sync', 'only-b')}")
-    if cfg.sync != "only-b" and world_size // group_size < 2:
-        raise ValueError(f"AB-training needs at least 2 groups of workers, got {world_size // group_size} "
-                         f"({world_size} workers in groups of {group_size}): pass e.g. "
-                         f"{opt('group_size', max(1, world_size // 2))}, or {opt('ab_sync' if cli else 'sync', 'only-b')}")
-
-
-def default_group_size(world_size: int, local_world_size: int, cfg: ABConfig) -> int:
-    """The group size AB-training uses when none was chosen: one group per node, or 2 groups on one node.
-
-    On one node (all workers in one group) the world is split into the smallest
-    number of groups above one that divides it: 2 groups for an even world.
-    """
-    g = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
-    if cfg.sync == "only-b" or world_size < 2 or world_size // g >= 2:
-        return g
-    groups = next(k for k in range(2, world_size + 1) if world_size % k == 0)
-    return world_size // groups
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """AB-training's schedule in optimizer steps: T_w, K, F, R and the run's length when known."""
-
-    warmup: int
-    cycle: int
-    rebound: int
-    lr_rebound: int
-    total: int | None = None
-    final_rebound: int = 0
-
-    @classmethod
-    def from_config(cls, cfg: ABConfig, total: int | None) -> "Schedule":
-        """Steps from the config: absolute options where given, else the fractions of ``total``."""
-        if cfg.needs_budget and total is None:
-            raise ValueError("AB-training's schedule is set as fractions of the run: give it the run's length "
-                             "(abtrain.setup(..., total_steps=N) or method.set_total_steps(N)), or set warmup_steps and "
-                             "cycle_steps (--ab-warmup-steps, --ab-cycle-steps)")
-        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_fraction * total)
-        cycle = cfg.cycle_steps if cfg.cycle_steps is not None else max(2, round(cfg.cycle_fraction * total))
-        if cfg.rebound_steps is not None:
-            rebound = cfg.rebound_steps
-        else:
-            rebound = min(cycle - 1, max(1, round(cfg.rebound_fraction * cycle))) if cfg.rebound_fraction else 0
-        if rebound >= cycle:
-            raise ValueError(f"--ab-rebound-steps (F={rebound}) must be smaller than the cycle (K={cycle})")
-        if cfg.lr_rebound_steps is not None:
-            lr_rebound = cfg.lr_rebound_steps
-        else:
-            lr_rebound = max(rebound + 1, round(cfg.lr_rebound_fraction * cycle)) if cfg.lr_rebound_fraction else 0
-        return cls(warmup, cycle, rebound, lr_rebound, total, cfg.final_rebound_steps)
-
-    def phase_at(self, t: int) -> str:
-        """Phase of optimizer step ``t`` (0-based)."""
-        if t < self.warmup:
-            return "warmup"
-        if self.total is not None and self.final_rebound and t >= self.total - self.final_rebound:
-            return "rebound"
-        last_sync = (t // self.cycle) * self.cycle  # syncs fall at multiples of K after warm-up
-        if last_sync <= self.warmup or t - last_sync >= self.rebound:
-            return "ab"
-        return "rebound"
-
-    def events(self, t: int) -> tuple[bool, bool]:
-        """(sync, decompose) due between step ``t - 1`` and step ``t``."""
-        before, after = self.phase_at(t - 1), self.phase_at(t)
-        sync = before == "ab" and (after != "ab" or (t % self.cycle == 0 and t > self.warmup))
-        return sync, after == "ab" and (before != "ab" or sync)
-
-    def syncs(self) -> int:
-        """Syncs in the whole run (needs ``total``)."""
-        assert self.total is not None
-        return sum(self.events(t)[0] for t in range(max(1, self.warmup + 1), self.total))
-
-    def describe(self) -> str:
-        text = f"warm-up {self.warmup} steps, sync every {self.cycle}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
-        if self.total is not None:
-            text += f": {self.syncs()} syncs in {self.total} steps"
-        return text
 
 
 class ABTraining(Method):
@@ -242,6 +62,7 @@ class ABTraining(Method):
         self.train_group = topo.world if only_b and self.cfg.only_b_groups == "world" else topo.group
         self.rule = self.cfg.rank_rule()
         self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank)
+        self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
         self.wire_dtype = torch.bfloat16 if self.cfg.sync_dtype == "bf16" else None
         num_a_groups = max(1, topo.num_groups // 2)
         self.role = "B" if only_b else ("A" if topo.group_index < num_a_groups else "B")
@@ -348,18 +169,29 @@ class ABTraining(Method):
         if self.t == 0 and self.phase_at(0) == "ab" and not self.ranks:
             self._decompose(optimizer, truncate=self.cfg.truncate_first)
             self._switch_step = 0
+        self._watch_gradients()
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over the workers the phase requires (idempotent per step)."""
         if self._reduced:
             return
         self._reduced = True
-        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
         if self.phase == "ab":
-            if not self.cfg.independent:
-                self.comm.all_reduce_tensors([g for _, g in named], self.train_group, average=True)
+            self.overlap.finish()  # idle when the workers train alone (independent)
         else:
-            self.dense.reduce(named, self.topo.world)
+            self.dense.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
+                              self.topo.world)
+
+    def _watch_gradients(self) -> None:
+        """Arm the in-group averaging for the coming step when it is an AB step (its trained tensors may be new)."""
+        in_group = self.phase == "ab" and not self.cfg.independent and self.train_group.size > 1
+        if in_group and self.module is not None:
+            self.overlap.watch([p for p in self.module.parameters() if p.requires_grad])
+        self.overlap.start(self.train_group if in_group else None)
+
+    def _unhook(self) -> None:
+        super()._unhook()
+        self.overlap.close()
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.reduce_gradients()
@@ -403,6 +235,7 @@ class ABTraining(Method):
             self._decompose(optimizer, truncate=self.cfg.truncate_first or bool(self.ranks))
         if sync or decompose or self.phase_at(self.t) != self.phase_at(self.t - 1):
             self._switch_step = self.t
+        self._watch_gradients()
 
     @torch.no_grad()
     def _keep_output_full(self) -> None:
@@ -458,68 +291,28 @@ class ABTraining(Method):
                 self.say("  " + line)
             self._said_lines = lines
 
-    def _full_rank_tensors(self) -> list[torch.Tensor]:
-        """Parameters not represented by factors this phase (full-mode W, biases, norms, kept layers)."""
-        factor_ids = {id(t) for fp in self.records for t in (fp.A, fp.B)}
-        low_ids = {id(fp.weight) for fp in self.records if fp.mode == "lowrank"}
-        return [p for p in self.module.parameters() if id(p) not in factor_ids and id(p) not in low_ids]
-
     @torch.no_grad()
     def _sync(self, optimizer: torch.optim.Optimizer) -> None:
         start = time.perf_counter()
         low = [fp for fp in self.records if fp.mode == "lowrank"]
-        world = self.topo.world
         with torch.profiler.record_function("abtrain::ab::sync"), self.comm.ledger.in_phase("sync"):
             buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-            full = self._full_rank_tensors()
+            full = full_rank_tensors(self.module, self.records)
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, full + [fp.weight for fp in low])
             # Parameters trained during the AB phase on every worker (full-rank ones)
             # carry group-specific optimizer moments: average them too, so that the
             # rebound that follows is exact data parallelism with one model everywhere.
             rest = full + buffers + optimizer_moments(optimizer, full)
-            mode, wire = self.cfg.sync, self.wire_dtype
-            if mode == "with-stale":
-                self.comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world, wire_dtype=wire)
-            elif mode == "only-learned":
-                self._average_learned(low, rest, world)
-            elif mode == "full":
-                for fp in low:
-                    lowrank.recompose(fp)
-                self.comm.all_reduce_tensors([fp.weight for fp in low] + rest, world, wire_dtype=wire)
-            elif self.train_group is world and not self.cfg.independent:
-                # only-b over one group of everyone: nothing drifts apart but BatchNorm statistics
-                self.comm.all_reduce_tensors(buffers, world, wire_dtype=wire)
-            else:  # only-b in groups: A is the same frozen factor everywhere; B and the rest are averaged
-                self.comm.all_reduce_tensors([fp.B for fp in low] + rest, world, wire_dtype=wire)
+            average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
+                           in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
+                           one_group=self.train_group is self.topo.world and not self.cfg.independent)
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
                     lowrank.recompose(fp)
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
-
-    def _average_learned(self, low: list[lowrank.FactorizedParam], rest: list[torch.Tensor], world: Group) -> None:
-        """only-learned: mean of A over the A-groups, mean of B over the B-groups, the rest over everyone.
-
-        One summed all-reduce (the bytes of with-stale): each worker contributes its
-        trained factor divided by the number of workers that trained it, zeros for
-        its frozen factor, and the rest divided by the world size.
-        """
-        n_a = len(self.a_ranks)
-        n_b = self.topo.world_size - n_a
-        in_a = self.topo.rank in self.a_ranks
-        contrib = []
-        for fp in low:
-            contrib.append(fp.A / n_a if in_a else torch.zeros_like(fp.A))
-            contrib.append(fp.B / n_b if not in_a else torch.zeros_like(fp.B))
-        contrib += [t / self.topo.world_size for t in rest]
-        self.comm.all_reduce_tensors(contrib, world, average=False, wire_dtype=self.wire_dtype)
-        for fp, a, b in zip(low, contrib[0::2], contrib[1::2]):
-            fp.A.copy_(a)
-            fp.B.copy_(b)
-        for t, mean in zip(rest, contrib[2 * len(low):]):
-            t.copy_(mean)
 
     def in_consensus(self) -> bool:
         # Workers differ only while groups train apart: inside an AB phase after its first step.
@@ -567,7 +360,7 @@ class ABTraining(Method):
         return {
             "compression_ratio": self.ratio,
             "ranks": self.ranks,
-            "phases": self.phase_ranges(),
+            "phases": sched.ranges(self.t),
             "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle, "rebound_steps": sched.rebound,
                          "lr_rebound_steps": sched.lr_rebound, "final_rebound_steps": sched.final_rebound},
             "kept_output_layers": self.kept,
@@ -575,17 +368,6 @@ class ABTraining(Method):
             "sync_seconds": self.sync_seconds,
             "role": self.role,
         }
-
-    def phase_ranges(self) -> list[dict[str, Any]]:
-        """Step ranges [start, end) of each phase of the run so far."""
-        out: list[dict[str, Any]] = []
-        for t in range(self.t):
-            p = self.phase_at(t)
-            if out and out[-1]["phase"] == p:
-                out[-1]["end"] = t + 1
-            else:
-                out.append({"phase": p, "start": t, "end": t + 1})
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
@@ -612,6 +394,7 @@ class ABTraining(Method):
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)
         lowrank.set_trainable(self.records, self._trained_role())
+        self._watch_gradients()
 
 
 # -- the registry's view of AB-training -------------------------------------

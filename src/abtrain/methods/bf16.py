@@ -3,32 +3,19 @@
 The semantics of torch's ``bf16_compress_hook``
 (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``): cast the
 bucket to bf16, divide by the world size, all-reduce (sum), cast back into the
-fp32 bucket. The all-reduce goes through the communicator, so the ledger
-records the bf16 tensor that is actually sent.
+fp32 bucket. :class:`~abtrain.reducers.BF16AllReduce` does it through the
+communicator, so the ledger records the bf16 tensor that is actually sent.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from ..comm import Communicator
+from ..reducers import BF16AllReduce
+from ..topology import Topology
 from .ddp import DDPMethod
 from .registry import MethodSpec, register
-
-
-# No annotations on the hook: DDP compares the ``bucket`` annotation with dist.GradBucket itself.
-def _bf16_allreduce_hook(method, bucket):  # type: ignore[no-untyped-def]
-    buffer = bucket.buffer()
-    # Divide before the sum, as torch's hook does, so that bf16 cannot overflow.
-    compressed = buffer.to(torch.bfloat16).div_(method.topo.world.size)
-    fut = method.comm.all_reduce_async(compressed, method.topo.world, average=False)
-
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(fut.value())  # in place, to keep the peak memory of torch's hook
-        return buffer
-
-    return fut.then(decompress)
 
 
 class BF16DDPMethod(DDPMethod):
@@ -36,7 +23,9 @@ class BF16DDPMethod(DDPMethod):
 
     name = "ddp-bf16"
 
-    comm_hook = staticmethod(_bf16_allreduce_hook)
+    def __init__(self, comm: Communicator, topo: Topology, bucket_cap_mb: float = 25.0) -> None:
+        super().__init__(comm, topo, bucket_cap_mb=bucket_cap_mb)
+        self.reducer = BF16AllReduce(comm)
 
     def extra_results(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.bucket_cap_mb, "gradient_dtype": "bfloat16"}

@@ -1,4 +1,4 @@
-"""Ordinary data parallelism: torch's DistributedDataParallel, counted through a comm hook."""
+"""Ordinary data parallelism: torch's DistributedDataParallel, its buckets averaged by a counted reducer."""
 
 from __future__ import annotations
 
@@ -9,15 +9,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Communicator
+from ..ddp_hook import ReducerHook
+from ..reducers import AllReduce, Reducer
 from ..topology import Topology
 from .base import Method
 from .registry import MethodSpec, register
-
-
-# No annotations on the hook: DDP compares the ``bucket`` annotation with
-# dist.GradBucket itself, and postponed (string) annotations fail that check.
-def _ledger_allreduce_hook(method, bucket):  # type: ignore[no-untyped-def]
-    return method.comm.all_reduce_async(bucket.buffer(), method.topo.world, average=True)
 
 
 # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older releases only know the former.
@@ -29,7 +25,7 @@ _no_buffer_broadcast = (
 
 
 class DDPMethod(Method):
-    """torch DDP with its bucketing and overlap kept; every bucket goes through the ledger.
+    """torch DDP with its bucketing and overlap kept; every bucket goes through a reducer and the ledger.
 
     DDP's own collectives outside the hook are switched off and replaced by
     counted ones: the initial parameter/buffer broadcast (``init_sync=False``,
@@ -39,12 +35,18 @@ class DDPMethod(Method):
     """
 
     name = "ddp"
-    #: ``hook(method, bucket) -> Future[Tensor]``; subclasses with another compression swap it.
-    comm_hook = staticmethod(_ledger_allreduce_hook)
 
     def __init__(self, comm: Communicator, topo: Topology, bucket_cap_mb: float = 25.0) -> None:
         super().__init__(comm, topo)
         self.bucket_cap_mb = bucket_cap_mb
+        self.reducer: Reducer = AllReduce(comm)
+
+    def bucket_reducer(self) -> Reducer:
+        """The reducer of the next bucket; subclasses with another compression swap :attr:`reducer`."""
+        return self.reducer
+
+    def after_backward(self) -> None:
+        """Called when DDP has handed over the last bucket of a backward pass."""
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
@@ -58,7 +60,7 @@ class DDPMethod(Method):
             process_group=self.topo.world.pg,
             **_no_buffer_broadcast,
         )
-        ddp.register_comm_hook(self, type(self).comm_hook)
+        ReducerHook(model, self.bucket_reducer, self.topo.world, self.after_backward).register(ddp)
         return ddp
 
     def extra_results(self) -> dict[str, Any]:

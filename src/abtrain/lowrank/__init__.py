@@ -1,0 +1,63 @@
+"""Low-rank factorisation of weights for AB-training.
+
+Every factorisable weight W (shape S) is viewed as the matrix m×n with
+m = S[0] and n = prod(S[1:]) (a conv kernel (C_out, C_in/groups, kh, kw) becomes
+(C_out, C_in/groups·kh·kw)). :func:`prepare_model` puts a :class:`LowRankWeight`
+parametrization (``torch.nn.utils.parametrize``) on each such weight, so the owning
+module -- ``nn.Linear``, any ``nn.Conv*``, ``nn.MultiheadAttention`` -- keeps calling
+``self.weight`` and gets either W itself (mode ``"full"``) or ``(A @ B).reshape(S)``
+(mode ``"lowrank"``).
+
+The factors A (m×r) and B (r×n) are parameters of the parametrization from the
+start (as 0-size placeholders), so an optimizer built once over
+``model.parameters()`` after :func:`prepare_model` sees every parameter it will
+ever need. Decomposition and recomposition only swap ``.data`` of those same
+Parameter objects; :func:`resize_state` (called by :func:`decompose` when given
+the optimizer) keeps the optimizer's moment buffers in step with the new ranks.
+
+This package is single-process. Where workers must agree (the rank of each layer),
+the pieces are exposed separately: :func:`svd` -> :meth:`RankRule.choose` ->
+all-reduce(MAX) by the caller -> :func:`decompose` / :func:`decompose_all`.
+
+Its rooms: ``layers`` (the parametrization, preparing a model, modes, plain
+state_dict), ``ranks`` (rank rules), ``decompose`` (SVD, factors, optimizer
+state, initialisation), ``report`` (counts, ratios, per-layer lines, the output layer).
+"""
+
+
+from .decompose import (SVD, SVDError, decompose, decompose_all, ortho_sigma_init, recompose, reset_state,
+                        resize_state, svd)
+from .layers import (DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, plain_state_dict, prepare_model,
+                     set_mode, set_trainable)
+from .ranks import RankRule, pays
+from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
+                     log_decisions, output_weights)
+
+__all__ = [
+    "DEFAULT_FULL_RANK_PATTERNS",
+    "FactorizedParam",
+    "LowRankWeight",
+    "RankRule",
+    "SVD",
+    "SVDError",
+    "ab_param_count",
+    "compression_ratio",
+    "decompose",
+    "decompose_all",
+    "decision_lines",
+    "describe",
+    "format_ratio",
+    "full_param_count",
+    "log_decisions",
+    "ortho_sigma_init",
+    "output_weights",
+    "pays",
+    "plain_state_dict",
+    "prepare_model",
+    "recompose",
+    "reset_state",
+    "resize_state",
+    "set_mode",
+    "set_trainable",
+    "svd",
+]

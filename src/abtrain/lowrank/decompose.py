@@ -1,0 +1,205 @@
+"""Decomposition: W = U·diag(S)·Vᵀ cut into factors A and B, back to W, and the optimizer state that follows."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .layers import Factor, FactorizedParam, Split, set_mode
+from .ranks import pays
+
+logger = logging.getLogger(__name__)
+
+
+class SVD(NamedTuple):
+    """Thin SVD of W as m×n, float32: W = U·diag(S)·Vh."""
+
+    U: Tensor
+    S: Tensor
+    Vh: Tensor
+
+
+class SVDError(RuntimeError):
+    """A weight could not be decomposed (non-finite values, or no SVD in float32 nor float64)."""
+
+
+def svd(fp: FactorizedParam) -> SVD:
+    """Thin SVD of the current W (viewed m×n) in float32, retried in float64 if float32 fails."""
+    w = fp.effective_weight().reshape(fp.m, fp.n)
+    if not torch.isfinite(w).all():
+        raise SVDError(f"cannot decompose {fp.name}: its weight holds inf or nan")
+    for dtype in (torch.float32, torch.float64):
+        try:
+            u, s, vh = torch.linalg.svd(w.to(dtype), full_matrices=False)
+        except RuntimeError as err:  # LinAlgError (no convergence) is a RuntimeError
+            logger.warning("SVD of %s failed in %s: %s", fp.name, dtype, err)
+            continue
+        if all(bool(torch.isfinite(t).all()) for t in (u, s, vh)):
+            return SVD(u.float(), s.float(), vh.float())
+        logger.warning("SVD of %s in %s gave non-finite values", fp.name, dtype)
+    raise SVDError(f"SVD of {fp.name} ({fp.m}x{fp.n}) failed in float32 and float64")
+
+
+def _set_grads_none(*params: nn.Parameter) -> None:
+    for p in params:
+        p.grad = None
+
+
+def decompose(
+    fp: FactorizedParam,
+    rank: int | None = None,
+    *,
+    usv: SVD | None = None,
+    split: Split = "sqrt",
+    trained: Factor | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Cut the SVD of W (``usv`` if already computed, else :func:`svd`) at ``rank`` (None: full rank) into A, B.
+
+    split="sqrt": A = U·√σ, B = √σ·Vᵀ. split="sigma": σ goes to the ``trained``
+    factor (A = U·σ, B = Vᵀ for "A"; A = U, B = σ·Vᵀ for "B"). A and B keep their
+    Parameter identity; their grads are cleared, W's too. If ``optimizer`` is given,
+    the state of A and B is resized to the new rank (:func:`resize_state`). The layer switches to lowrank mode.
+    """
+    u, s, vh = usv if usv is not None else svd(fp)
+    full = int(s.numel())
+    r = full if rank is None else int(rank)
+    if not 1 <= r <= full:
+        raise ValueError(f"rank for {fp.name} must be in [1, {full}], got {rank}")
+    if split == "sqrt":
+        root = s[:r].sqrt()
+        a = u[:, :r] * root
+        b = root[:, None] * vh[:r]
+    elif split == "sigma":
+        if trained == "A":
+            a, b = u[:, :r] * s[:r], vh[:r]
+        elif trained == "B":
+            a, b = u[:, :r], s[:r, None] * vh[:r]
+        else:
+            raise ValueError(f'split="sigma" needs trained="A" or trained="B", got {trained!r}')
+    else:
+        raise ValueError(f'split must be "sqrt" or "sigma", got {split!r}')
+
+    w = fp.weight
+    fp.A.data = a.to(dtype=w.dtype, device=w.device).contiguous()
+    fp.B.data = b.to(dtype=w.dtype, device=w.device).contiguous()
+    _set_grads_none(fp.A, fp.B, w)
+    if optimizer is not None:
+        resize_state(optimizer, fp.A, factor="A", new_rank=r)
+        resize_state(optimizer, fp.B, factor="B", new_rank=r)
+    fp.param.note = f"rank {r} of {full}"
+    set_mode([fp], "lowrank")
+
+
+def decompose_all(
+    records: Sequence[FactorizedParam],
+    ranks: Sequence[int | None],
+    svds: Sequence[SVD] | None = None,
+    *,
+    min_compression: float | None = 1.0,
+    split: Split = "sqrt",
+    trained: Factor | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> list[bool]:
+    """Decompose each record at its (already agreed) rank where it pays; return which were.
+
+    A layer whose rank does not pay (:func:`pays` with ``min_compression``) is
+    recomposed if needed and stays in full mode for this AB phase. Pass
+    ``min_compression=None`` to factorise everything (the first, untruncated
+    decomposition: full rank never pays). ``svds`` defaults to fresh :func:`svd` calls.
+    """
+    if len(ranks) != len(records) or (svds is not None and len(svds) != len(records)):
+        raise ValueError("records, ranks and svds must have the same length")
+    done = []
+    for i, fp in enumerate(records):
+        usv = svds[i] if svds is not None else None
+        r = ranks[i]
+        r_eff = min(fp.m, fp.n) if r is None else r
+        if min_compression is not None and not pays(fp.m, fp.n, r_eff, min_compression):
+            if fp.mode == "lowrank":
+                recompose(fp)
+            fp.param.note = (
+                f"does not pay at rank {r_eff}: r(m+n)={r_eff * (fp.m + fp.n)} "
+                f">= m*n/{min_compression:g}={fp.m * fp.n / min_compression:g}"
+            )
+            done.append(False)
+            continue
+        decompose(fp, r, usv=usv, split=split, trained=trained, optimizer=optimizer)
+        done.append(True)
+    return done
+
+
+def recompose(fp: FactorizedParam) -> None:
+    """W = (A @ B).reshape(shape) in W's dtype, in place; switch to full mode.
+
+    A and B keep their values (and optimizer state); their grads are cleared.
+    """
+    if fp.rank == 0:
+        raise ValueError(f"{fp.name} has no factors to recompose; call decompose first")
+    w = fp.weight
+    with torch.no_grad():
+        w.copy_((fp.A @ fp.B).reshape(fp.shape).to(w.dtype))
+    _set_grads_none(fp.A, fp.B, w)
+    fp.param.note = "recomposed"
+    set_mode([fp], "full")
+
+
+def resize_state(optimizer: torch.optim.Optimizer, param: Tensor, *, factor: Factor, new_rank: int) -> None:
+    """Fit the optimizer state of factor ``param`` to ``new_rank``.
+
+    Every 2-D state tensor shaped like the factor at some rank (m×k for "A", k×n for
+    "B": momentum_buffer, exp_avg, exp_avg_sq, max_exp_avg_sq, ...) keeps its first
+    ``new_rank`` columns (A) / rows (B), zero-padded when the rank grows. Scalars
+    (``step``) are untouched. The fixed dimension is read from ``param``, so this
+    may be called before or after the factor's ``.data`` changes.
+    """
+    if factor not in ("A", "B"):
+        raise ValueError(f'factor must be "A" or "B", got {factor!r}')
+    if new_rank < 0:
+        raise ValueError(f"new_rank must be >= 0, got {new_rank}")
+    state = optimizer.state.get(param)
+    if not state:
+        return
+    dim = 1 if factor == "A" else 0
+    fixed = param.shape[1 - dim]
+    for key, value in state.items():
+        if not isinstance(value, Tensor) or value.ndim != 2 or value.shape[1 - dim] != fixed:
+            continue
+        k = value.shape[dim]
+        if k == new_rank:
+            continue
+        if k > new_rank:
+            state[key] = value.narrow(dim, 0, new_rank).clone()
+        else:
+            pad_shape = list(value.shape)
+            pad_shape[dim] = new_rank - k
+            state[key] = torch.cat([value, value.new_zeros(pad_shape)], dim=dim)
+
+
+def reset_state(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
+    """Drop the optimizer state of ``params``; it is recreated lazily on their next step."""
+    for p in params:
+        optimizer.state.pop(p, None)
+
+
+@torch.no_grad()
+def ortho_sigma_init(records: Iterable[FactorizedParam]) -> None:
+    """Set every singular value of each W to 1, keeping W's singular vectors: W = U·Vᵀ.
+
+    Applied to the model's default initialisation, this keeps its random
+    directions and gives every factorisable layer a flat spectrum. Workers
+    that start from the same weights end with the same weights. Call while
+    the layers are in full mode.
+    """
+    for fp in records:
+        if fp.mode != "full":
+            raise ValueError(f"{fp.name} is in lowrank mode; ortho_sigma_init sets full-rank weights")
+        w = fp.weight
+        u, _, vh = torch.linalg.svd(w.detach().reshape(fp.m, fp.n).float(), full_matrices=False)
+        w.copy_((u @ vh).reshape(fp.shape).to(dtype=w.dtype, device=w.device))
+
+

@@ -1,0 +1,280 @@
+"""The factorisable layers: a parametrization W or A·B per weight, and the records that find them.
+
+:func:`prepare_model` puts a :class:`LowRankWeight` on each factorisable weight;
+:func:`set_mode` and :func:`set_trainable` choose what the forward pass uses and
+what trains; :func:`plain_state_dict` folds the parametrizations back into plain weights.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from .ranks import pays
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["full", "lowrank"]
+Factor = Literal["A", "B"]
+Split = Literal["sqrt", "sigma"]
+
+#: Parameter-name patterns (fnmatch, on the full dotted name) kept full rank by
+#: default: the first layer that sees the input and the classifier head.
+DEFAULT_FULL_RANK_PATTERNS: tuple[str, ...] = ("stem.*", "head.*", "tok_emb.*", "pos_emb.*", "*embed*")
+
+_MODES = ("full", "lowrank")
+_ROLES = ("A", "B", "both", "full")
+
+
+class LowRankWeight(nn.Module):
+    """Parametrization of one weight W of shape S, viewed as the m×n matrix.
+
+    Mode ``"full"`` returns the original W (the gradient flows to W).
+    Mode ``"lowrank"`` returns ``(A @ B).reshape(S)``; A (m×r) and B (r×n) are
+    parameters of this module and W gets no gradient.
+    """
+
+    def __init__(self, shape: Sequence[int], *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.shape = torch.Size(shape)
+        self.m = int(self.shape[0])
+        self.n = math.prod(self.shape[1:])
+        # 0-size placeholders: present in model.parameters() before the first decomposition.
+        self.A = nn.Parameter(torch.empty(self.m, 0, dtype=dtype, device=device), requires_grad=False)
+        self.B = nn.Parameter(torch.empty(0, self.n, dtype=dtype, device=device), requires_grad=False)
+        self.mode: str = "full"
+        #: Why the layer is in its current mode; shown by :func:`log_decisions`.
+        self.note: str = "not decomposed yet"
+
+    @property
+    def rank(self) -> int:
+        """Current rank r (0 before the first decomposition)."""
+        return int(self.A.shape[1])
+
+    def forward(self, original: Tensor) -> Tensor:
+        if self.mode == "full":
+            return original
+        return (self.A @ self.B).reshape(self.shape)
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.shape)}, matrix=({self.m}, {self.n}), mode={self.mode}, rank={self.rank}"
+
+    # The mode travels with the state_dict (key ``..._extra_state``) so a checkpoint
+    # restores both the factors and whether they are in use.
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"mode": self.mode, "note": self.note}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if state.get("mode") not in _MODES:
+            raise ValueError(f"low-rank layer state holds an unknown mode {state.get('mode')!r}")
+        self.mode = state["mode"]
+        self.note = str(state.get("note", self.note))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # A and B change shape with the rank; adopt the checkpoint's shapes before
+        # the default loader copies values (it rejects shape mismatches).
+        for name in ("A", "B"):
+            saved = state_dict.get(prefix + name)
+            param = getattr(self, name)
+            if isinstance(saved, Tensor) and saved.shape != param.shape:
+                param.data = torch.empty(saved.shape, dtype=param.dtype, device=param.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@dataclass
+class FactorizedParam:
+    """One factorisable weight: where it lives and its parametrization.
+
+    ``name`` is the weight's dotted name in the unprepared model (``"features.3.weight"``).
+    After preparation the raw tensors are ``module.parametrizations[pname].original`` (W),
+    ``...[pname][0].A`` and ``...[pname][0].B``; ``getattr(module, pname)`` is the
+    weight the forward pass uses.
+    """
+
+    name: str
+    module: nn.Module
+    pname: str
+    shape: torch.Size
+    m: int
+    n: int
+    param: LowRankWeight
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The stored full-rank W (stale while in lowrank mode, until :func:`recompose`)."""
+        return self.module.parametrizations[self.pname].original  # type: ignore[index,union-attr]
+
+    @property
+    def A(self) -> nn.Parameter:
+        return self.param.A
+
+    @property
+    def B(self) -> nn.Parameter:
+        return self.param.B
+
+    @property
+    def mode(self) -> str:
+        return self.param.mode
+
+    @property
+    def rank(self) -> int:
+        return self.param.rank
+
+    def effective_weight(self) -> Tensor:
+        """The weight as the forward pass sees it (W, or A@B reshaped), detached."""
+        with torch.no_grad():
+            return getattr(self.module, self.pname).detach()
+
+
+def _excluded_reason(
+    module: nn.Module, name: str, param: Tensor, patterns: Sequence[str], min_rank: int
+) -> str | None:
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "embedding"
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f"full-rank pattern {pattern!r}"
+    m = int(param.shape[0])
+    n = math.prod(param.shape[1:])
+    floor = min(min_rank, m, n)
+    if not pays(m, n, floor):
+        return (f"too small to gain: factors at the rank floor {floor} hold {floor * (m + n)} numbers, "
+                f"W ({m}x{n}) holds {m * n}")
+    return None
+
+
+def prepare_model(
+    model: nn.Module,
+    *,
+    full_rank_patterns: Sequence[str] = DEFAULT_FULL_RANK_PATTERNS,
+    min_rank: int = 1,
+) -> list[FactorizedParam]:
+    """Put a :class:`LowRankWeight` (mode ``"full"``) on every factorisable weight of ``model``.
+
+    Factorisable: every parameter whose name ends in ``weight`` (``weight``,
+    ``in_proj_weight``, ...) with ≥2 dims, except Embedding weights, weights shared
+    by several modules, names matching a ``full_rank_patterns`` fnmatch pattern and
+    matrices too small to gain anything: factors at the rank floor ``min_rank`` would
+    hold at least as many numbers as W (:func:`pays`). The model computes
+    exactly the same function afterwards. Build the optimizer after this call.
+    Records come in ``model.named_modules()`` order.
+    """
+    if any(isinstance(mod, LowRankWeight) for mod in model.modules()):
+        raise ValueError("model is already prepared for low-rank training; call prepare_model once per model")
+    if min_rank < 1:
+        raise ValueError(f"min_rank must be >= 1, got {min_rank}")
+
+    owners: dict[int, int] = {}
+    for mod in model.modules():
+        for param in mod._parameters.values():
+            if param is not None:
+                owners[id(param)] = owners.get(id(param), 0) + 1
+
+    chosen: list[tuple[str, nn.Module, str, Tensor]] = []
+    excluded: list[tuple[str, str]] = []
+    for mod_name, mod in model.named_modules():
+        for pname, param in list(mod._parameters.items()):
+            if param is None or not pname.endswith("weight") or param.ndim < 2:
+                continue
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            reason = _excluded_reason(mod, name, param, full_rank_patterns, min_rank)
+            if reason is None and owners[id(param)] > 1:
+                reason = "shared by several modules"
+            if reason is None:
+                chosen.append((name, mod, pname, param))
+            else:
+                excluded.append((name, reason))
+
+    for name, reason in excluded:
+        logger.info("%s kept full rank: %s", name, reason)
+    if not chosen:
+        detail = "; ".join(f"{name} ({reason})" for name, reason in excluded) or "none"
+        raise ValueError(
+            "nothing to factorise: no parameter named '*weight' with >=2 dims is left "
+            f"(full_rank_patterns={tuple(full_rank_patterns)}; excluded: {detail}). "
+            "Loosen full_rank_patterns or lower min_rank."
+        )
+
+    records = []
+    # Registration mutates the module tree, so it happens after the walk above.
+    for name, mod, pname, param in chosen:
+        lr = LowRankWeight(param.shape, dtype=param.dtype, device=param.device)
+        parametrize.register_parametrization(mod, pname, lr)
+        records.append(FactorizedParam(name, mod, pname, lr.shape, lr.m, lr.n, lr))
+    return records
+
+
+def set_mode(records: Iterable[FactorizedParam], mode: Mode) -> None:
+    """Switch the forward pass to W ("full") or A@B ("lowrank"), with matching requires_grad.
+
+    This does not move values: use :func:`decompose` / :func:`recompose` for that.
+    Lowrank mode trains A and B (narrow with :func:`set_trainable`); full mode trains W.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    for fp in records:
+        if mode == "lowrank" and fp.rank == 0:
+            raise ValueError(f"{fp.name} has no factors yet; call decompose before switching to lowrank")
+        fp.param.mode = mode
+        low = mode == "lowrank"
+        fp.weight.requires_grad_(not low)
+        fp.A.requires_grad_(low)
+        fp.B.requires_grad_(low)
+
+
+def set_trainable(records: Iterable[FactorizedParam], role: str) -> None:
+    """Choose which factor trains: role "A" (B frozen), "B" (A frozen), "both" or "full".
+
+    Applies to layers in lowrank mode; layers in full mode always train W (and
+    role "full" requires every layer to be in full mode). Frozen tensors get
+    ``requires_grad=False`` and so no gradient, which optimizers skip.
+    """
+    if role not in _ROLES:
+        raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+    for fp in records:
+        if fp.mode == "full":
+            fp.weight.requires_grad_(True)
+            fp.A.requires_grad_(False)
+            fp.B.requires_grad_(False)
+            continue
+        if role == "full":
+            raise ValueError(f'{fp.name} is in lowrank mode; recompose it before role "full"')
+        fp.weight.requires_grad_(False)
+        fp.A.requires_grad_(role in ("A", "both"))
+        fp.B.requires_grad_(role in ("B", "both"))
+        if not fp.A.requires_grad:
+            fp.A.grad = None
+        if not fp.B.requires_grad:
+            fp.B.grad = None
+
+
+@torch.no_grad()
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every parametrized weight replaced by the weight its forward uses.
+
+    ``features.3.parametrizations.weight.original`` (and the factors ``...weight.0.A``,
+    ``...0.B``, the mode in ``..._extra_state``) become one ``features.3.weight``
+    holding W in full mode or ``(A @ B).reshape(shape)`` in low-rank mode: the
+    keys and shapes of the model before :func:`prepare_model`, so the result loads
+    into a freshly built instance of the user's model class.
+    """
+    out: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        if ".parametrizations." not in f".{key}":
+            out[key] = value
+            continue
+        owner, _, rest = f".{key}".rpartition(".parametrizations.")
+        pname, _, leaf = rest.partition(".")
+        if leaf != "original":
+            continue  # factors and modes: folded into the weight below
+        module = model.get_submodule(owner.lstrip("."))
+        out[f"{owner.lstrip('.')}.{pname}".lstrip(".")] = getattr(module, pname).detach().clone()
+    return out

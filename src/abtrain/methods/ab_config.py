@@ -1,0 +1,134 @@
+"""AB-training's options (:class:`ABConfig`, the ``--ab-*`` flags) and the group layout it needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import lowrank
+from ..reducers import DENSE_REDUCERS
+from ..validate import Options, opt
+
+SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
+ONLY_B_GROUPS = ("group", "world")
+SPLITS = ("sqrt", "sigma")
+SYNC_DTYPES = ("fp32", "bf16")
+STATE_POLICIES = ("keep", "reset")
+INITS = ("default", "ortho-sigma")
+DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
+
+
+@dataclass
+class ABConfig(Options):
+    """Options of AB-training; the CLI exposes each as ``--ab-<name>``."""
+
+    section = "ab"
+    warmup_fraction: float = opt(0.25, "share of the run's steps trained full-rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
+    cycle_fraction: float = opt(0.06, "sync period K as a share of the run's steps (0.06: about 12 syncs after a 25 %% warm-up); --ab-cycle-steps overrides it")
+    rebound_fraction: float = opt(0.1, "full-rank DP steps after each sync (F) as a share of K; --ab-rebound-steps overrides it")
+    lr_rebound_fraction: float = opt(0.3, "learning-rate ramp after each phase switch (R) as a share of K (0 disables); --ab-lr-rebound-steps overrides it")
+    warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
+    cycle_steps: int | None = opt(None, "steps per cycle K, instead of the fraction: a sync at every multiple of K after warm-up")
+    rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F < K), instead of the fraction; 0 re-decomposes right after the sync")
+    lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
+    tau: float | None = opt(None, "relative rank cut-off: keep singular values > tau * sigma_1 (the rule used, with 0.15, when no other rank rule is given)")
+    rank: int | None = opt(None, "fixed rank for every factorised layer")
+    rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
+    energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
+    min_rank: int = opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
+    min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
+    truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
+    sync: str = opt("with-stale", "sync mode", choices=SYNC_MODES)
+    only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
+    independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
+    final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
+    lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
+    split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
+    optimizer_state: str = opt("keep", "keep (resized) or reset the optimizer state of factors at each decomposition", choices=STATE_POLICIES)
+    init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
+    full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
+    dense_comm: str = opt("fp32", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
+    powersgd_rank: int = opt(4, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
+    sync_dtype: str = opt("fp32", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
+    keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
+    quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
+
+    def check(self) -> None:
+        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
+        if self.cycle_steps is not None and self.cycle_steps < 1:
+            raise ValueError(f"--ab-cycle-steps must be a positive integer, got {self.cycle_steps!r}")
+        for name in ("warmup_fraction", "cycle_fraction", "rebound_fraction", "lr_rebound_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0 or (name == "cycle_fraction" and value == 0.0):
+                raise ValueError(f"--ab-{name.replace('_', '-')} must be in {'(0' if name == 'cycle_fraction' else '[0'}, 1), "
+                                 f"got {value!r}")
+        if self.cycle_steps is not None and self.rebound_steps is not None and self.rebound_steps >= self.cycle_steps:
+            raise ValueError(f"--ab-rebound-steps (F={self.rebound_steps}) must be smaller than --ab-cycle-steps "
+                             f"(K={self.cycle_steps}): each cycle is F rebound steps then K-F AB steps")
+        if self.min_rank < 1:
+            raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
+        if self.powersgd_rank < 1:
+            raise ValueError(f"--ab-powersgd-rank must be >= 1, got {self.powersgd_rank}")
+        rules = [n for n in ("tau", "rank", "rank_fraction", "energy") if getattr(self, n) is not None]
+        if len(rules) > 1:
+            raise ValueError(f"choose one rank rule, got {', '.join('--ab-' + r.replace('_', '-') for r in rules)}")
+        if not rules:
+            self.tau = DEFAULT_TAU
+        self.rank_rule()  # validates the values
+        if self.min_compression is not None and self.min_compression <= 0:
+            raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
+        if not self.lr_floor >= 0:
+            raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
+
+    @property
+    def needs_budget(self) -> bool:
+        """True when the schedule is given as fractions of the run, which must then be told its length."""
+        return self.warmup_steps is None or self.cycle_steps is None
+
+    def rank_rule(self) -> lowrank.RankRule:
+        try:
+            return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction, energy=self.energy)
+        except ValueError as exc:
+            raise ValueError(f"AB-training rank rule: {exc}") from None
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.full_rank.split(",") if p.strip())
+
+
+def check_topology(cfg: ABConfig, world_size: int, group_size: int, cli: bool = True) -> None:
+    """The group layout AB-training needs; raises before any training starts.
+
+    ``cli`` words the fix as flags (``--group-size 2``), else as keyword arguments (``group_size=2``).
+    """
+    def fix(name: str, value: Any) -> str:
+        return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+
+    if world_size % group_size:
+        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
+                         f"choose a {'--group-size' if cli else 'group_size='} that divides the number of workers")
+    if cfg.sync != "only-b" and world_size == 1:
+        start = "--workers 2 (or more)" if cli else "torchrun --nproc-per-node 2 (or more)"
+        raise ValueError(f"AB-training trains A and B in different groups of workers, so it needs at least 2; "
+                         f"this is a world of one process: start it with {start}, or use "
+                         f"{fix('ab_sync' if cli else 'sync', 'only-b')}")
+    if cfg.sync != "only-b" and world_size // group_size < 2:
+        raise ValueError(f"AB-training needs at least 2 groups of workers, got {world_size // group_size} "
+                         f"({world_size} workers in groups of {group_size}): pass e.g. "
+                         f"{fix('group_size', max(1, world_size // 2))}, or {fix('ab_sync' if cli else 'sync', 'only-b')}")
+
+
+def default_group_size(world_size: int, local_world_size: int, cfg: ABConfig) -> int:
+    """The group size AB-training uses when none was chosen: one group per node, or 2 groups on one node.
+
+    On one node (all workers in one group) the world is split into the smallest
+    number of groups above one that divides it: 2 groups for an even world.
+    """
+    g = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
+    if cfg.sync == "only-b" or world_size < 2 or world_size // g >= 2:
+        return g
+    groups = next(k for k in range(2, world_size + 1) if world_size % k == 0)
+    return world_size // groups

@@ -1,0 +1,80 @@
+"""AB-training's schedule in optimizer steps: warm-up, cycles of rebound and AB steps, syncs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .ab_config import ABConfig
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """AB-training's schedule in optimizer steps: T_w, K, F, R and the run's length when known."""
+
+    warmup: int
+    cycle: int
+    rebound: int
+    lr_rebound: int
+    total: int | None = None
+    final_rebound: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: ABConfig, total: int | None) -> "Schedule":
+        """Steps from the config: absolute options where given, else the fractions of ``total``."""
+        if cfg.needs_budget and total is None:
+            raise ValueError("AB-training's schedule is set as fractions of the run: give it the run's length "
+                             "(abtrain.setup(..., total_steps=N) or method.set_total_steps(N)), or set warmup_steps and "
+                             "cycle_steps (--ab-warmup-steps, --ab-cycle-steps)")
+        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_fraction * total)
+        cycle = cfg.cycle_steps if cfg.cycle_steps is not None else max(2, round(cfg.cycle_fraction * total))
+        if cfg.rebound_steps is not None:
+            rebound = cfg.rebound_steps
+        else:
+            rebound = min(cycle - 1, max(1, round(cfg.rebound_fraction * cycle))) if cfg.rebound_fraction else 0
+        if rebound >= cycle:
+            raise ValueError(f"--ab-rebound-steps (F={rebound}) must be smaller than the cycle (K={cycle})")
+        if cfg.lr_rebound_steps is not None:
+            lr_rebound = cfg.lr_rebound_steps
+        else:
+            lr_rebound = max(rebound + 1, round(cfg.lr_rebound_fraction * cycle)) if cfg.lr_rebound_fraction else 0
+        return cls(warmup, cycle, rebound, lr_rebound, total, cfg.final_rebound_steps)
+
+    def phase_at(self, t: int) -> str:
+        """Phase of optimizer step ``t`` (0-based)."""
+        if t < self.warmup:
+            return "warmup"
+        if self.total is not None and self.final_rebound and t >= self.total - self.final_rebound:
+            return "rebound"
+        last_sync = (t // self.cycle) * self.cycle  # syncs fall at multiples of K after warm-up
+        if last_sync <= self.warmup or t - last_sync >= self.rebound:
+            return "ab"
+        return "rebound"
+
+    def events(self, t: int) -> tuple[bool, bool]:
+        """(sync, decompose) due between step ``t - 1`` and step ``t``."""
+        before, after = self.phase_at(t - 1), self.phase_at(t)
+        sync = before == "ab" and (after != "ab" or (t % self.cycle == 0 and t > self.warmup))
+        return sync, after == "ab" and (before != "ab" or sync)
+
+    def syncs(self) -> int:
+        """Syncs in the whole run (needs ``total``)."""
+        assert self.total is not None
+        return sum(self.events(t)[0] for t in range(max(1, self.warmup + 1), self.total))
+
+    def ranges(self, steps: int) -> list[dict[str, Any]]:
+        """Step ranges [start, end) of each phase over the first ``steps`` steps."""
+        out: list[dict[str, Any]] = []
+        for t in range(steps):
+            p = self.phase_at(t)
+            if out and out[-1]["phase"] == p:
+                out[-1]["end"] = t + 1
+            else:
+                out.append({"phase": p, "start": t, "end": t + 1})
+        return out
+
+    def describe(self) -> str:
+        text = f"warm-up {self.warmup} steps, sync every {self.cycle}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
+        if self.total is not None:
+            text += f": {self.syncs()} syncs in {self.total} steps"
+        return text
