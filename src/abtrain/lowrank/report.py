@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .layers import FactorizedParam
@@ -13,8 +14,10 @@ from .layers import FactorizedParam
 logger = logging.getLogger(__name__)
 
 
-def output_weights(output: Tensor, records: Sequence[FactorizedParam]) -> list[FactorizedParam]:
+def output_weights(output: Any, records: Sequence[FactorizedParam]) -> list[FactorizedParam]:
     """The factorisable layers whose weights produce ``output``: the model's output layer(s).
+
+    ``output`` is a tensor, or a tuple, list or dict whose first tensor is the output.
 
     A breadth-first walk from ``output.grad_fn`` stops at the first depth where
     the gradient reaches any weight (a parameter of ≥ 2 dims); the records among
@@ -24,6 +27,11 @@ def output_weights(output: Tensor, records: Sequence[FactorizedParam]) -> list[F
     the layer is called and whatever follows it (a division by a temperature, a
     reshape). Empty when ``output`` has no autograd graph.
     """
+    if isinstance(output, (tuple, list, dict)):
+        values = output.values() if isinstance(output, dict) else output
+        output = next((v for v in values if torch.is_tensor(v)), None)
+    if not torch.is_tensor(output):
+        return []
     owner = {id(t): fp for fp in records for t in (fp.weight, fp.A, fp.B)}
     frontier = [output.grad_fn] if output.grad_fn is not None else []
     seen: set[int] = set()

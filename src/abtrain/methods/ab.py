@@ -18,7 +18,6 @@ optimizer steps ``t`` and, by default, scales with the run (the fractions of
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import time
 from typing import Any
@@ -32,8 +31,8 @@ from ..comm import Communicator
 from ..grad_buckets import OverlappedAverage
 from ..reducers import build_reducer
 from ..topology import Topology
-from .ab_config import ABConfig, check_topology, default_group_size
-from .ab_schedule import Schedule
+from .ab_config import ABConfig, check_topology, default_group_size, group_layout
+from .ab_schedule import Schedule, check_run
 from .ab_sync import average_models, full_rank_tensors
 from .base import Method, optimizer_moments
 from .registry import MethodSpec, register
@@ -136,14 +135,7 @@ class ABTraining(Method):
         if not (module.training and torch.is_grad_enabled()):
             return
         self._stop_output_search()
-        if torch.is_tensor(output):
-            first = output
-        elif isinstance(output, (tuple, list, dict)):
-            values = output.values() if isinstance(output, dict) else output
-            first = next((v for v in values if torch.is_tensor(v)), None)
-        else:
-            first = None
-        found = lowrank.output_weights(first, self.records) if first is not None else []
+        found = lowrank.output_weights(output, self.records)
         self.kept = [fp.name for fp in found]
         for fp in found:
             fp.param.note = "produces the model's output"
@@ -397,24 +389,9 @@ class ABTraining(Method):
         self._watch_gradients()
 
 
-# -- the registry's view of AB-training -------------------------------------
-def _group_layout(cfg: ABConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
-    g = default_group_size(world_size, local_world_size, cfg)
-    per_node = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
-    if g == per_node or cfg.quiet:
-        return g, None
-    return g, (f"AB-training: one node of {world_size} workers: {world_size // g} groups of {g} "
-               f"(--group-size to choose)")
-
-
-def _check_run(cfg: ABConfig, model: nn.Module, total_steps: int) -> None:
-    Schedule.from_config(cfg, total_steps)  # a rebound as long as the cycle fails here, not in the workers
-    lowrank.prepare_model(copy.deepcopy(model), full_rank_patterns=cfg.patterns, min_rank=cfg.min_rank)
-
-
 register(MethodSpec("ab", ABTraining, "AB-training", "low-rank factors trained by independent groups, periodic sync "
                     "and full-rank rebound (docs/ab-training.md); the schedule scales with the run unless given "
                     "in steps", options=ABConfig, order=20, bench=8,
                     short_run_args=("--ab-warmup-steps", "2", "--ab-cycle-steps", "3", "--ab-rebound-steps", "1",
                                     "--ab-lr-rebound-steps", "0"),
-                    check_topology=check_topology, check_run=_check_run, group_layout=_group_layout))
+                    check_topology=check_topology, check_run=check_run, group_layout=group_layout))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+
 from .. import lowrank
 from ..reducers import DENSE_REDUCERS
 from ..validate import Options, opt
@@ -132,3 +133,14 @@ def default_group_size(world_size: int, local_world_size: int, cfg: ABConfig) ->
         return g
     groups = next(k for k in range(2, world_size + 1) if world_size % k == 0)
     return world_size // groups
+
+
+# -- what the registry asks of AB-training ------------------------------------
+def group_layout(cfg: ABConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
+    """The group size when none was chosen, and the line that says so (None: nothing to say)."""
+    g = default_group_size(world_size, local_world_size, cfg)
+    per_node = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
+    if g == per_node or cfg.quiet:
+        return g, None
+    return g, (f"AB-training: one node of {world_size} workers: {world_size // g} groups of {g} "
+               f"(--group-size to choose)")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
+from .. import lowrank
 from .ab_config import ABConfig
 
 
@@ -78,3 +82,9 @@ class Schedule:
         if self.total is not None:
             text += f": {self.syncs()} syncs in {self.total} steps"
         return text
+
+
+def check_run(cfg: ABConfig, model: nn.Module, total_steps: int) -> None:
+    """Refuse a schedule or model AB-training cannot run, before any worker starts."""
+    Schedule.from_config(cfg, total_steps)  # a rebound as long as the cycle fails here, not in the workers
+    lowrank.prepare_model(copy.deepcopy(model), full_rank_patterns=cfg.patterns, min_rank=cfg.min_rank)
