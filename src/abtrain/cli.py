@@ -88,9 +88,9 @@ def _add_data_parser(sub: Any) -> None:
     fetch = actions.add_parser(
         "fetch", help="download a dataset from its canonical location, checksums verified",
         description="Download a dataset's files from their canonical location (Fashion-MNIST: the dataset's "
-                    "GitHub repository, then its S3 website) and verify each file's SHA-256. Files already "
-                    "present and valid are kept; a file is renamed into place only once it is complete and "
-                    "verified. Exit code 1 when a download fails (no network, wrong checksum), 2 for bad input.")
+                    "GitHub repository, then its S3 website) and verify the SHA-256 of each file's "
+                    "uncompressed content. Files already present and valid are kept; a file is renamed into "
+                    "place only once it is complete and verified. Exit code 1 when a download fails (no network, wrong checksum), 2 for bad input.")
     fetch.add_argument("dataset", choices=["fashion-mnist"], help="the dataset to download")
     fetch.add_argument("--data-dir", metavar="DIR",
                        help="directory to write the files to (default: $ABTRAIN_DATA/fashion-mnist, else "
