@@ -278,15 +278,15 @@ def test_rank_rules_reject_bad_arguments(kwargs, match):
         lr.RankRule(**kwargs).choose(torch.ones(3))
 
 
-def test_pays_boundaries():
-    assert not lr.pays(4, 4, 2)  # 16 numbers in factors vs 16 in W
-    assert lr.pays(4, 4, 1)
-    assert not lr.pays(4, 4, 1, 2.0)  # 8 vs 16 / 2
-    assert lr.pays(4, 4, 1, 1.9)
-    assert not lr.pays(1, 100, 1)  # a row vector never pays
-    assert not lr.pays(8, 8, 8)  # full rank never pays
+def test_factors_compress_boundaries():
+    assert not lr.factors_compress(4, 4, 2)  # 16 numbers in factors vs 16 in W
+    assert lr.factors_compress(4, 4, 1)
+    assert not lr.factors_compress(4, 4, 1, 2.0)  # 8 vs 16 / 2
+    assert lr.factors_compress(4, 4, 1, 1.9)
+    assert not lr.factors_compress(1, 100, 1)  # a row vector never pays
+    assert not lr.factors_compress(8, 8, 8)  # full rank never pays
     with pytest.raises(ValueError, match="min_compression"):
-        lr.pays(4, 4, 1, 0.0)
+        lr.factors_compress(4, 4, 1, 0.0)
 
 
 # ---------------------------------------------------------------------------

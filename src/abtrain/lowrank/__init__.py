@@ -29,7 +29,7 @@ from .decompose import (SVD, SVDError, decompose, decompose_all, ortho_sigma_ini
                         resize_state, svd)
 from .layers import (DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, plain_state_dict, prepare_model,
                      set_mode, set_trainable)
-from .ranks import RankRule, pays
+from .ranks import RankRule, factors_compress
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
                      log_decisions, output_weights)
 
@@ -46,12 +46,12 @@ __all__ = [
     "decompose_all",
     "decision_lines",
     "describe",
+    "factors_compress",
     "format_ratio",
     "full_param_count",
     "log_decisions",
     "ortho_sigma_init",
     "output_weights",
-    "pays",
     "plain_state_dict",
     "prepare_model",
     "recompose",

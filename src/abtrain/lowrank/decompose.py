@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .layers import Factor, FactorizedParam, Split, set_mode
-from .ranks import pays
+from .ranks import factors_compress
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def decompose_all(
 ) -> list[bool]:
     """Decompose each record at its (already agreed) rank where it pays; return which were.
 
-    A layer whose rank does not pay (:func:`pays` with ``min_compression``) is
+    A layer whose rank does not pay (:func:`factors_compress` with ``min_compression``) is
     recomposed if needed and stays in full mode for this AB phase. Pass
     ``min_compression=None`` to factorise everything (the first, untruncated
     decomposition: full rank never pays). ``svds`` defaults to fresh :func:`svd` calls.
@@ -119,7 +119,7 @@ def decompose_all(
         usv = svds[i] if svds is not None else None
         r = ranks[i]
         r_eff = min(fp.m, fp.n) if r is None else r
-        if min_compression is not None and not pays(fp.m, fp.n, r_eff, min_compression):
+        if min_compression is not None and not factors_compress(fp.m, fp.n, r_eff, min_compression):
             if fp.mode == "lowrank":
                 recompose(fp)
             fp.param.note = (

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from .ranks import pays
+from .ranks import factors_compress
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def _excluded_reason(
     m = int(param.shape[0])
     n = math.prod(param.shape[1:])
     floor = min(min_rank, m, n)
-    if not pays(m, n, floor):
+    if not factors_compress(m, n, floor):
         return (f"too small to gain: factors at the rank floor {floor} hold {floor * (m + n)} numbers, "
                 f"W ({m}x{n}) holds {m * n}")
     return None
@@ -163,7 +163,7 @@ def prepare_model(
     ``in_proj_weight``, ...) with ≥2 dims, except Embedding weights, weights shared
     by several modules, names matching a ``full_rank_patterns`` fnmatch pattern and
     matrices too small to gain anything: factors at the rank floor ``min_rank`` would
-    hold at least as many numbers as W (:func:`pays`). The model computes
+    hold at least as many numbers as W (:func:`factors_compress`). The model computes
     exactly the same function afterwards. Build the optimizer after this call.
     Records come in ``model.named_modules()`` order.
     """

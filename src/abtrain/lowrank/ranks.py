@@ -1,4 +1,4 @@
-"""Rank rules: how many singular values a factorised layer keeps, and when factors pay."""
+"""Rank rules: how many singular values a factorised layer keeps, and whether its factors compress W."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-def pays(m: int, n: int, r: int, min_compression: float = 1.0) -> bool:
-    """True when factors of rank r hold fewer than m·n / min_compression numbers: r(m+n) < m·n/ρ."""
+def factors_compress(m: int, n: int, r: int, min_compression: float = 1.0) -> bool:
+    """True when rank-r factors of an m×n matrix hold fewer than m·n / min_compression numbers: r(m+n) < m·n/ρ."""
     if min_compression <= 0:
         raise ValueError(f"min_compression must be > 0, got {min_compression}")
     return r * (m + n) * min_compression < m * n
