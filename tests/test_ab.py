@@ -37,8 +37,21 @@ class Net(nn.Module):
         return self.head(torch.relu(self.body2(x)))
 
 
-def _snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+def _snapshot(method, model):
+    """What a worker holds, by kind: each factorised layer's stored W and factors A, B (by the layer's name),
+    the model's other parameters and its buffers."""
+    records = method.records
+    factorised = {id(t) for fp in records for t in (fp.weight, fp.A, fp.B)}
+    return {"W": {fp.name: fp.weight.detach().clone() for fp in records},
+            "A": {fp.name: fp.A.detach().clone() for fp in records},
+            "B": {fp.name: fp.B.detach().clone() for fp in records},
+            "other": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in factorised},
+            "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}}
+
+
+def _tensors(snapshot):
+    """Every tensor of a snapshot, keyed by (kind, name)."""
+    return {(kind, name): v for kind, part in snapshot.items() for name, v in part.items()}
 
 
 def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
@@ -64,8 +77,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
         if method.schedule.events(method.t + 1)[0]:
             sync_due["before"] = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone())
                                   for fp in method.records if fp.mode == "lowrank"}
-            sync_due["before_full"] = {n: p.detach().clone() for n, p in model.named_parameters()
-                                       if "parametrizations" not in n}
+            sync_due["before_other"] = _snapshot(method, model)["other"]  # parameters kept full rank
 
     opt.register_step_post_hook(before_the_method)
     gen = torch.Generator().manual_seed(100 + topo.rank)  # every worker its own data
@@ -74,16 +86,16 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             x = torch.randn(16, 12, generator=gen)
             y = torch.randint(0, 5, (16,), generator=gen)
             phase = method.phase
-            before = _snapshot(model)
+            before = _snapshot(method, model)
             modes_before = {fp.name: fp.mode for fp in method.records}
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
             if sync_due:
-                out["syncs"].append({"step": method.t, **sync_due, "after": _snapshot(model)})
+                out["syncs"].append({"step": method.t, **sync_due, "after": _snapshot(method, model)})
                 sync_due.clear()
-            out["steps"].append({"phase": phase, "t": method.t, "before": before, "after": _snapshot(model),
+            out["steps"].append({"phase": phase, "t": method.t, "before": before, "after": _snapshot(method, model),
                                  "modes_before": modes_before,
                                  "ranks": {fp.name: fp.rank for fp in method.records},
                                  "modes": {fp.name: fp.mode for fp in method.records},
@@ -92,7 +104,6 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
                                                   for fp in method.records}})
             out["ledger_by_step"].append(copy.deepcopy(comm.ledger.summary()["by_phase"]))
     out["ranks_log"] = method.ranks
-    out["numels"] = {n: p.numel() for n, p in model.named_parameters()}
     out["records"] = [(fp.name, fp.m, fp.n) for fp in method.records]
     out["float_buffers"] = sum(b.numel() for b in model.buffers() if b.is_floating_point())
     out["summary"] = comm.ledger.summary()
@@ -136,9 +147,9 @@ def test_workers_identical_after_every_sync(with_stale):
     # three scheduled syncs at multiples of K; the run ends in a rebound, so leaving ``attach`` adds none
     assert [s["step"] for s in with_stale[0]["syncs"]] == [K, 2 * K, 3 * K]
     for i in range(3):
-        ref = with_stale[0]["syncs"][i]["after"]
+        ref = _tensors(with_stale[0]["syncs"][i]["after"])
         for o in with_stale[1:]:
-            for k, v in o["syncs"][i]["after"].items():
+            for k, v in _tensors(o["syncs"][i]["after"]).items():
                 assert torch.equal(v, ref[k]), f"{k} differs after sync {i}"
 
 
@@ -150,15 +161,16 @@ def test_roles_train_only_their_factor(with_stale):
         ab_steps = [s for s in o["steps"] if s["phase"] == "ab" and s["t"] not in synced_at]
         assert len(ab_steps) > 5
         for s in ab_steps:
-            for key in s["before"]:
-                changed = not torch.equal(s["before"][key], s["after"][key])
-                if key.endswith(f".{frozen}") and s["before"][key].shape == s["after"][key].shape:
-                    assert not changed, f"{o['role']}-worker changed {key} at step {s['t']}"
-                if key.endswith(".original") and s["modes"][key.split(".parametrizations")[0] + ".weight"] == "lowrank":
-                    assert not changed, f"stale W {key} changed during AB"
-            trained = [k for k in s["before"] if k.endswith(f".{o['role']}")
-                       and s["before"][k].shape == s["after"][k].shape]
-            assert any(not torch.equal(s["before"][k], s["after"][k]) for k in trained)
+            before, after = s["before"], s["after"]
+            for name in before["W"]:
+                if before[frozen][name].shape == after[frozen][name].shape:
+                    assert torch.equal(before[frozen][name], after[frozen][name]), \
+                        f"{o['role']}-worker changed {frozen} of {name} at step {s['t']}"
+                if s["modes"][name] == "lowrank":
+                    assert torch.equal(before["W"][name], after["W"][name]), f"stale W of {name} changed during AB"
+            role = o["role"]
+            trained = [name for name in before[role] if before[role][name].shape == after[role][name].shape]
+            assert any(not torch.equal(before[role][name], after[role][name]) for name in trained)
 
 
 def test_group_collectives_stay_in_group(with_stale):
@@ -168,9 +180,8 @@ def test_group_collectives_stay_in_group(with_stale):
     # Inside a group the trained factor is averaged, so both members agree; the two groups differ.
     last_ab = max(i for i, s in enumerate(with_stale[0]["steps"]) if s["phase"] == "ab" and s["t"] < K)
     a0, a1, b0 = (with_stale[r]["steps"][last_ab]["after"] for r in (0, 1, 2))
-    key = "body.parametrizations.weight.0.A"
-    assert torch.equal(a0[key], a1[key])
-    assert not torch.equal(a0[key], b0[key])
+    assert torch.equal(a0["A"]["body.weight"], a1["A"]["body.weight"])
+    assert not torch.equal(a0["A"]["body.weight"], b0["A"]["body.weight"])
 
 
 def test_bytes_per_phase_match_the_formulas(with_stale):
@@ -178,8 +189,8 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     p, g = 4, 2
     ring = lambda n, size: 2 * (size - 1) / size * n  # noqa: E731
     by_phase = o["summary"]["by_phase"]
-    numels = o["numels"]
-    full_params = sum(n for k, n in numels.items() if not k.endswith((".A", ".B")))  # W, biases, norms
+    first = o["steps"][0]["before"]
+    full_params = sum(v.numel() for part in ("W", "other") for v in first[part].values())  # W, biases, norms
     # warm-up and rebound: every full-rank parameter's gradient over all workers, every step
     rebound_steps = sum(1 for s in o["steps"] if s["phase"] == "rebound")
     assert by_phase["warmup"]["payload_bytes"] == 4 * full_params * T_W
@@ -190,17 +201,10 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     for s in o["steps"]:
         if s["phase"] != "ab":
             continue
-        for k, v in s["before"].items():
-            if not v.is_floating_point() or "running" in k:
-                continue
-            base = k.split(".parametrizations")[0]
-            if ".parametrizations." in k:
-                low = s["modes_before"][base + ".weight"] == "lowrank"
-                if k.endswith(".original") and low:
-                    continue
-                if k.endswith((".A", ".B")) and (not low or not k.endswith("." + o["role"])):
-                    continue
-            expected_ab += 4 * v.numel()
+        expected_ab += 4 * sum(v.numel() for v in s["before"]["other"].values())
+        for name, W in s["before"]["W"].items():
+            trained = s["before"][o["role"]][name] if s["modes_before"][name] == "lowrank" else W
+            expected_ab += 4 * trained.numel()
     assert by_phase["ab"]["payload_bytes"] == expected_ab
     assert by_phase["ab"]["wire_bytes"] == pytest.approx(ring(expected_ab, g))
     assert o["summary"]["by_scope"]["group"]["payload_bytes"] == expected_ab
@@ -209,7 +213,7 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     expected_sync = 0
     for sync in o["syncs"]:
         factors = sum(a.numel() + b.numel() for a, b in sync["before"].values())
-        rest = sum(v.numel() for k, v in sync["before_full"].items())
+        rest = sum(v.numel() for v in sync["before_other"].values())
         # full-rank parameters travel with their SGD momentum (trained apart during the AB phase)
         expected_sync += 4 * (factors + 2 * rest + o["float_buffers"])
     rank_agreements = len([r for r in o["ranks_log"] if r["step"] != T_W])
@@ -231,7 +235,7 @@ def test_ranks_agree_and_follow_the_rule(runs):
         step_after = next(s for s in outs[0]["steps"] if s["t"] == entry["step"])
         for name, m, n in outs[0]["records"]:
             # the rank was chosen on the rebound's last W, which the decomposition leaves in place (stale)
-            W = step_after["after"][name.replace(".weight", ".parametrizations.weight.original")]
+            W = step_after["after"]["W"][name]
             sigma = torch.linalg.svdvals(W.reshape(m, -1).float())
             expected = max(min(8, m, n), int((sigma > 0.5 * sigma[0]).sum()))  # the default rank floor is 8
             r = entry["layers"][name]
@@ -256,9 +260,8 @@ def test_sync_modes_compute_the_spec_average(runs, mode):
             W = As[:2].mean(0) @ Bs[2:].mean(0)
         else:
             W = (As @ Bs).mean(0)
-        key = name.replace(".weight", ".parametrizations.weight.original")
         for s in sync:
-            got = s["after"][key].double().reshape(W.shape)
+            got = s["after"]["W"][name].double().reshape(W.shape)
             assert torch.allclose(got, W, rtol=1e-5, atol=1e-6), (mode, name)
 
 
@@ -267,11 +270,11 @@ def test_only_b_over_the_world_trains_b_with_dp_everywhere(runs):
     for o in outs:
         assert o["role"] == "B"
         assert o["group_ranks"] == [0, 1, 2, 3]  # across the 2 groups of 2
-    last = outs[0]["steps"][-1]["after"]
+    last = _tensors(outs[0]["steps"][-1]["after"])
     for o in outs[1:]:
-        for k, v in o["steps"][-1]["after"].items():
-            if "running" not in k and "num_batches" not in k:  # BatchNorm statistics are averaged at sync and eval
-                assert torch.equal(v, last[k]), k  # DP over all workers: no drift at all
+        for (kind, name), v in _tensors(o["steps"][-1]["after"]).items():
+            if kind != "buffers":  # BatchNorm statistics are averaged at sync and eval
+                assert torch.equal(v, last[kind, name]), name  # DP over all workers: no drift at all
 
 
 def test_only_b_in_groups_trains_b_inside_groups_and_averages_it_at_sync(runs):
@@ -279,23 +282,24 @@ def test_only_b_in_groups_trains_b_inside_groups_and_averages_it_at_sync(runs):
     for o in outs:
         assert o["role"] == "B"
         assert o["group_ranks"] == [2 * (o["rank"] // 2), 2 * (o["rank"] // 2) + 1]
-    key = "body.parametrizations.weight.0"
     # inside the first AB phase: B identical inside a group, different between groups; A frozen and equal everywhere
     ab = max(i for i, s in enumerate(outs[0]["steps"]) if s["phase"] == "ab" and s["t"] < K)
     after = [o["steps"][ab]["after"] for o in outs]
-    assert torch.equal(after[0][key + ".B"], after[1][key + ".B"])
-    assert torch.equal(after[2][key + ".B"], after[3][key + ".B"])
-    assert not torch.equal(after[0][key + ".B"], after[2][key + ".B"])
-    assert all(torch.equal(a[key + ".A"], after[0][key + ".A"]) for a in after)
+    B, A = ([a[factor]["body.weight"] for a in after] for factor in ("B", "A"))
+    assert torch.equal(B[0], B[1])
+    assert torch.equal(B[2], B[3])
+    assert not torch.equal(B[0], B[2])
+    assert all(torch.equal(a, A[0]) for a in A)
     # at the sync B is averaged over all workers and W = A B is rebuilt: one model everywhere
     sync = [o["syncs"][0] for o in outs]
     mean_b = torch.stack([s["before"]["body.weight"][1] for s in sync]).double().mean(0)
     W = sync[0]["before"]["body.weight"][0].double() @ mean_b
     for s in sync:
-        got = s["after"]["body.parametrizations.weight.original"].double()
+        got = s["after"]["W"]["body.weight"].double()
         assert torch.allclose(got, W, rtol=1e-5, atol=1e-6)
-        for k, v in s["after"].items():
-            assert torch.equal(v, sync[0]["after"][k]), k
+        ref = _tensors(sync[0]["after"])
+        for k, v in _tensors(s["after"]).items():
+            assert torch.equal(v, ref[k]), k
 
 
 def test_single_group_is_refused():
@@ -311,10 +315,10 @@ def test_final_rebound_ends_full_rank_inside_the_budget(runs):
         assert [s["phase"] for s in o["steps"][-3:]] == ["rebound"] * 3
         assert all(mode == "full" for mode in o["steps"][-1]["modes"].values())
     # one model everywhere (BatchNorm statistics are averaged by sync_buffers() before evaluation)
-    for k, v in outs[0]["steps"][-1]["after"].items():
-        if "running" not in k:
+    for (kind, name), v in _tensors(outs[0]["steps"][-1]["after"]).items():
+        if kind != "buffers" or not v.is_floating_point():  # the step counters agree too
             for o in outs[1:]:
-                assert torch.equal(o["steps"][-1]["after"][k], v), k
+                assert torch.equal(_tensors(o["steps"][-1]["after"])[kind, name], v), name
 
 
 def _ddp_wrapped(topo):
