@@ -17,12 +17,15 @@ from helpers import run_world
 TIMEOUT_S = 5
 
 
-def _one_stops_answering():
+def _one_stops_answering(done_file):
     topo = Topology.from_env(backend="gloo", device="cpu", timeout_s=TIMEOUT_S)
     comm = Communicator()
     comm.all_reduce(torch.ones(4), topo.world)  # both answer once
     if topo.rank == 1:
-        time.sleep(3 * TIMEOUT_S)  # alive, but never enters the next collective
+        # alive, but never enters the next collective: it waits until rank 0 is through with it (at most 3 timeouts)
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        while not os.path.exists(done_file) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
     start = time.perf_counter()
     try:
@@ -30,11 +33,13 @@ def _one_stops_answering():
             comm.all_reduce(torch.ones(4), topo.world)
     except CollectiveError as exc:
         return str(exc), time.perf_counter() - start
+    finally:
+        open(done_file, "w").close()
     return "no error", time.perf_counter() - start
 
 
-def test_peer_that_stops_answering_fails_with_the_collective_and_phase():
-    message, seconds = run_world(_one_stops_answering, 2)[0]
+def test_peer_that_stops_answering_fails_with_the_collective_and_phase(tmp_path):
+    message, seconds = run_world(_one_stops_answering, 2, str(tmp_path / "rank0-done"))[0]
     assert message.startswith("collective all_reduce on group world (phase sync) failed after "), message
     assert "peer stopped answering?" in message and "\n" not in message
     assert TIMEOUT_S - 1 <= seconds < 3 * TIMEOUT_S
