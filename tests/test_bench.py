@@ -161,7 +161,13 @@ def test_projection_on_hand_computed_numbers():
 # -- network namespaces ------------------------------------------------------------
 
 _NETNS_REASON = netns.unavailable_reason()
-needs_netns = pytest.mark.skipif(_NETNS_REASON is not None, reason=f"needs network namespaces: {_NETNS_REASON}")
+
+
+def needs_netns(test):
+    """Skipped without network namespaces; on one pytest-xdist worker with every other test that makes
+    namespaces (tests/test_multinode.py too), since some compare the host's links before and after."""
+    skip = pytest.mark.skipif(_NETNS_REASON is not None, reason=f"needs network namespaces: {_NETNS_REASON}")
+    return pytest.mark.xdist_group("netns")(skip(test))
 
 
 def _ours(name: str) -> tuple[list[str], str]:
