@@ -22,8 +22,7 @@ from abtrain.bench.linkbytes import link_check
 
 _REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"needs network namespaces (root, iproute2): {_REASON}"),
-              pytest.mark.timeout(420),
-              pytest.mark.xdist_group("netns")]  # one pytest-xdist worker for the tests that make namespaces
+              pytest.mark.timeout(420)]
 
 # A few steps of AB-training through every phase (warm-up, AB, sync, rebound) on generated data.
 JOB = ["--method", "ab", "--model", "mlp", "--dataset", "synthetic", "--steps", "8", "--batch-size", "16",
