@@ -337,11 +337,17 @@ def test_bad_options_say_how_to_fix_them(args, message):
 
 
 # -- the bench ---------------------------------------------------------------------------------------------
-def test_the_bench_projection_reads_all_to_all_rows():
-    """(ef21 and hlocalsgd use collectives it knew; a bench run with onebit: tests/test_bench.py's end to end.)"""
+def test_bench_reports_the_all_to_all_of_onebit(tmp_path):
+    """The report and its projection read all_to_all rows (ef21 and hlocalsgd use collectives they knew)."""
+    from abtrain.bench import BenchConfig, run_bench
     from abtrain.bench.projection import group_size_of
 
     assert group_size_of("all_to_all", 1000, wire_bytes("all_to_all", 1000, 4)) == 4
+    report = run_bench(BenchConfig(workload="tiny", methods=["ddp", "onebit"], out=str(tmp_path / "bench")))
+    rows = {r["method"]: r for r in report["methods"]}
+    assert rows["ddp"]["status"] == rows["onebit"]["status"] == "complete"
+    assert rows["onebit"]["global_reduction_vs_ddp"] > 1
+    assert set(report["projection"]["epoch_seconds"]) == {"ddp", "onebit"}
 
 
 def test_available_from_setup_in_a_users_loop(monkeypatch):
