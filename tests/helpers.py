@@ -22,6 +22,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(c) for c in fh.read().split()]
+    except OSError:
+        return []
+
+
+def launcher_workers(pid: int) -> list[int]:
+    """The worker processes of the local launcher ``pid``: the children of its fork server, found through /proc."""
+    workers = []
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
+                if b"forkserver" in fh.read():
+                    workers += _children(child)
+        except OSError:
+            pass
+    return workers
+
+
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -34,7 +55,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: st
 
 #: Imported once by the fork server that starts the workers, so each worker begins with them loaded
 #: (a fresh interpreter importing torch costs more than most of these worlds spend training).
-_PRELOAD = ["torch", "torch.distributed", "abtrain.train", "abtrain.methods", "helpers"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "abtrain.train", "abtrain.methods", "helpers"]
 
 
 def run_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from abtrain.cli import build_parser
+from abtrain.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -110,15 +110,21 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input_one_clear_line(tmp_path, fashion_dir, args, message):
+def test_bad_input_one_clear_line(tmp_path, fashion_dir, capsys, args, message):
+    # In this process (a fresh interpreter per case would cost more than the checks): `abtrain` is main().
+    # test_unwritable_run_dir_and_bad_config runs the same kind of refusal as a command.
     out = tmp_path / "bad"
     data = [] if "--data-dir" in args else ["--data-dir", str(fashion_dir)]
-    p = run(["train", "--workers", "2", *data, "--out", str(out), "--steps", "2", *args])
-    assert p.returncode != 0
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("abtrain: error:"), p.stderr
+    try:
+        code = main(["train", "--workers", "2", *data, "--out", str(out), "--steps", "2", *args])
+    except SystemExit as exc:
+        code = exc.code
+    p = capsys.readouterr()
+    assert code not in (0, None)
+    lines = p.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("abtrain: error:"), p.err
     assert message in lines[0]
-    assert "Traceback" not in p.stderr + p.stdout
+    assert "Traceback" not in p.err + p.out
     assert not (out / "results.json").exists()
 
 

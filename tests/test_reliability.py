@@ -23,6 +23,7 @@ from abtrain.rundir import RunLock, is_locked, run_status
 from abtrain.topology import Topology
 from abtrain.train import Trainer
 from abtrain.worker import classify
+from helpers import launcher_workers
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
 JOB = ["train", "--method", "ddp", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "16",
@@ -37,21 +38,6 @@ def _env(tmpdir=None):
         os.makedirs(tmpdir, exist_ok=True)
         env["TMPDIR"] = str(tmpdir)
     return env
-
-
-def _workers(pid):
-    try:
-        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
-    except OSError:
-        return []
-    out = []
-    for child in children:
-        try:
-            if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
-                out.append(int(child))
-        except OSError:
-            pass
-    return out
 
 
 def _alive(pid):
@@ -134,7 +120,7 @@ def test_signal_to_the_launcher_stops_the_run_resumably(tmp_path, reference, how
     out, tmpdir = tmp_path / "run", tmp_path / "tmp"
     proc = _start(out, STEPS, tmpdir=tmpdir)
     _wait_for_step(proc, 12)
-    workers = _workers(proc.pid)
+    workers = launcher_workers(proc.pid)
     assert len(workers) == 2
     if how.startswith("SIGTERM"):
         os.kill(proc.pid, signal.SIGTERM)
@@ -167,7 +153,7 @@ def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys, monkeypat
             code = main(args)
             line = _one_line(capsys.readouterr().err)
             assert code == 2 and "is in use by another abtrain process" in line, line
-        workers = _workers(proc.pid)
+        workers = launcher_workers(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # no handler runs: the kernel releases the lock, workers follow
         proc.wait(timeout=30)
         deadline = time.time() + 30
@@ -179,12 +165,19 @@ def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys, monkeypat
             proc.kill()
     assert json.loads((out / "status.json").read_text())["status"] == "running"
     assert not is_locked(str(out)) and run_status(str(out))["status"] == "interrupted"
-    # SIGKILL ran no cleanup: the next launcher removes the dead one's temporary directory.
+    # SIGKILL ran no cleanup: the next launcher removes the dead one's temporary directory, and its fork
+    # server's socket directory.
+    from abtrain.fork_server import SOCKET_DIR_RECORD
     from abtrain.launch import _remove_orphaned_tmp
-    assert [n.startswith(f"abtrain-{proc.pid}-") for n in os.listdir(tmpdir)] == [True]
+    private = [n for n in os.listdir(tmpdir) if n.startswith(f"abtrain-{proc.pid}-")]
+    assert len(private) == 1
+    socket_dir = (tmpdir / private[0] / SOCKET_DIR_RECORD).read_text()  # under tmpdir, or /tmp if that is too long
+    assert os.path.isdir(socket_dir) and os.path.basename(socket_dir).startswith("pymp-")
+    assert sorted(os.listdir(tmpdir)) == sorted(private + [os.path.basename(socket_dir)] * (
+        os.path.dirname(socket_dir) == str(tmpdir)))
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     _remove_orphaned_tmp()
-    assert os.listdir(tmpdir) == []
+    assert os.listdir(tmpdir) == [] and not os.path.exists(socket_dir)
 
 
 def test_lock_is_exclusive_and_released(tmp_path):
@@ -199,7 +192,7 @@ def test_a_killed_worker_is_one_line_with_its_own_exit_code(tmp_path):
     out, tmpdir = tmp_path / "run", tmp_path / "tmp"
     proc = _start(out, STEPS, tmpdir=tmpdir)
     _wait_for_step(proc, 12)
-    os.kill(_workers(proc.pid)[0], signal.SIGKILL)
+    os.kill(launcher_workers(proc.pid)[0], signal.SIGKILL)
     _, stderr = _finish(proc)
     line = _one_line(stderr)
     assert proc.returncode == 3, stderr
@@ -214,7 +207,7 @@ def test_a_stopped_worker_fails_after_the_timeout_with_exit_code_1(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, 100000, "--timeout", "5")
     _wait_for_step(proc, 8)
-    stopped = _workers(proc.pid)[1]
+    stopped = launcher_workers(proc.pid)[1]
     os.kill(stopped, signal.SIGSTOP)
     _, stderr = _finish(proc)
     line = _one_line(stderr)

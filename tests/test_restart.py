@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from abtrain.cli import main
+from helpers import launcher_workers
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
 STEPS = 40
@@ -68,23 +69,6 @@ def test_stop_then_resume_equals_uninterrupted(fashion_dir, tmp_path, reference)
     assert res["comm"]["wire_bytes"] == ref["comm"]["wire_bytes"] and res["final"] == ref["final"]
 
 
-def _worker_pids(pid):
-    """The launcher's worker processes (spawned children), found through /proc."""
-    try:
-        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
-    except OSError:
-        return []
-    workers = []
-    for child in children:
-        try:
-            cmd = open(f"/proc/{child}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if b"spawn_main" in cmd:
-            workers.append(int(child))
-    return workers
-
-
 def test_sigkilled_worker_restarts_and_finishes_identically(fashion_dir, tmp_path, reference):
     out = tmp_path / "killed"
     proc = subprocess.Popen(ABTRAIN + _args(fashion_dir, out, "--checkpoint-every", "4", "--max-restarts", "1"),
@@ -93,7 +77,7 @@ def test_sigkilled_worker_restarts_and_finishes_identically(fashion_dir, tmp_pat
     deadline = time.time() + 200
     for line in proc.stdout:
         if killed is None and line.startswith("step 15/"):
-            workers = _worker_pids(proc.pid)
+            workers = launcher_workers(proc.pid)
             assert len(workers) == 2
             killed = workers[-1]
             os.kill(killed, signal.SIGKILL)

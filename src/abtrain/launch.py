@@ -6,9 +6,10 @@
   SLURM_NTASKS > 1, ...), the SLURM_* variables are translated to torchrun's
   and the process joins. MASTER_ADDR / MASTER_PORT come from the environment
   (see examples/slurm.sbatch).
-- Otherwise ``--workers N`` local workers are started by
-  ``torch.distributed.launcher.api.elastic_launch`` (what torchrun uses) with a
-  standalone c10d rendezvous on loopback. The launcher holds the run
+- Otherwise ``--workers N`` local workers are started by torch's
+  ``LocalElasticAgent`` (what torchrun uses) with a standalone c10d rendezvous
+  on loopback, forked from a fork server that has torch and abtrain imported
+  (:mod:`abtrain.fork_server`). The launcher holds the run
   directory's lock, keeps torch's temporary files in a private directory that
   it removes at the end, and turns every way a run can end into one line and
   an exit code (see :mod:`abtrain.rundir`).
@@ -27,6 +28,7 @@ import tempfile
 import uuid
 from typing import Any
 
+from . import fork_server
 from .checkpoint import read_manifest, shard_path
 from .config import TrainConfig
 from .results import check_writable, read_status, write_json, write_status
@@ -164,17 +166,20 @@ def _reached(board: str, world: int) -> int | None:
     return max(steps) if steps else None
 
 
-def _describe(failures: dict[int, Any], run_dir: str, board: str) -> tuple[str, int, bool]:
+def _describe(failures: dict[int, Any], run_dir: str, board: str,
+              signalled: dict[int, int] | None = None) -> tuple[str, int, bool]:
     """The one line for a failed attempt, its exit code, and whether a restart can help.
 
-    A worker killed by a signal is the cause; the others' errors (a lost peer) only echo it.
-    Otherwise the worker that recorded the first failure in status.json says why.
+    A worker killed by a signal is the cause; the others' errors (a lost peer) only echo it. torch reports one
+    failed worker, the first it looks at, so ``signalled`` adds the exit codes of every worker a signal killed
+    (rank -> negative exit code). Otherwise the worker that recorded the first failure in status.json says why.
     """
-    died = {rank: f for rank, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
+    died = {rank: f.exitcode for rank, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
+    died.update(signalled or {})
     if died:
         rank = min(died)
         step = StepBoard.read(board, rank)
-        return (f"worker {rank} died (killed by {signal_name(-died[rank].exitcode)}) at step "
+        return (f"worker {rank} died (killed by {signal_name(-died[rank])}) at step "
                 f"{'?' if step is None else step}", EXIT_WORKER_DIED, True)
     status = read_status(run_dir) or {}
     if status.get("status") == "failed" and status.get("error"):
@@ -186,15 +191,18 @@ def _describe(failures: dict[int, Any], run_dir: str, board: str) -> tuple[str, 
 
 
 def _exited(pid: int) -> bool:
-    """Linux: the worker has exited and waits to be reaped (a zombie), or is gone."""
+    """Linux: the worker has exited and waits to be reaped (a zombie), or is gone (the fork server reaps its
+    children as soon as they exit)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
     except (OSError, IndexError):
         return False
 
 
-def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: str) -> Any:
+def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: str, start_method: str) -> Any:
     """torch's local elastic agent, watched: restarts are announced in one line, stopped workers are woken
     before they are terminated (a SIGSTOPped worker would otherwise hold the shutdown for its timeout)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -205,14 +213,15 @@ def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: s
 
     from .worker import worker_main
 
-    def announce(failures: dict[int, Any]) -> None:
-        line, _, retry = _describe(failures, run_dir, board)
+    def announce(failures: dict[int, Any], signalled: dict[int, int]) -> None:
+        line, _, retry = _describe(failures, run_dir, board, signalled)
         if retry:
             step, _ = _last_checkpoint(run_dir)
             source = f"the checkpoint of step {step}" if step is not None else "the start (no checkpoint yet)"
             print(f"abtrain: {line}, restarting from {source}", file=sys.stderr, flush=True)
 
     class Agent(LocalElasticAgent):
+        signalled: dict[int, int] = {}  # of the last failed attempt
         def _wake(self) -> None:
             """SIGCONT every worker once one has exited: torch terminates the rest with SIGTERM and waits 30 s
             for each before SIGKILL, and a stopped process would take all of them."""
@@ -224,22 +233,31 @@ def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: s
                     except OSError:
                         pass
 
+        def _signalled(self, ignore: tuple[int, ...] = ()) -> dict[int, int]:
+            """The workers a signal has killed (local rank -> negative exit code), except by ``ignore``."""
+            processes = getattr(getattr(self._pcontext, "_pc", None), "processes", None) or []
+            codes = {rank: p.exitcode for rank, p in enumerate(processes)}
+            return {rank: c for rank, c in codes.items() if c is not None and c < 0 and -c not in ignore}
+
         def _monitor_workers(self, worker_group: Any) -> Any:
             self._wake()
+            before = self._signalled()  # before torch stops the others with SIGTERM
             result = super()._monitor_workers(worker_group)
-            if result.is_failed() and self._remaining_restarts > 0:
-                announce(result.failures)
+            if result.is_failed():
+                self.signalled = {**self._signalled(ignore=(signal.SIGTERM,)), **before}
+                if self._remaining_restarts > 0:
+                    announce(result.failures, self.signalled)
             return result
 
     params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0",  # standalone, as torchrun --standalone
                                   run_id=f"abtrain-{uuid.uuid4().hex[:8]}", min_nodes=1, max_nodes=1,
                                   timeout=int(cfg.timeout))
     spec = WorkerSpec(role="default", local_world_size=cfg.workers, entrypoint=worker_main,
-                      args=(cfg.to_dict(), run_dir, resume, False, board),
+                      args=(cfg.to_dict(), run_dir, resume, False, board, None, os.getpid()),
                       rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
                       max_restarts=cfg.max_restarts,  # the agent restarts every worker; they continue from the checkpoint
                       monitor_interval=0.5)
-    return Agent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")), start_method="spawn",
+    return Agent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")), start_method=start_method,
                  shutdown_timeout=5)
 
 
@@ -253,19 +271,22 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
     # torch's temporary files (the agent's log directory, each worker's error file) go to a directory of this
     # run's own, removed at the end whatever the outcome.
     _remove_orphaned_tmp()
+    start_method, socket_dir = fork_server.start_method()
     tmp = tempfile.mkdtemp(prefix=f"abtrain-{os.getpid()}-")
+    if socket_dir is not None:  # removed when this process exits; after a SIGKILL, by the next launcher
+        fork_server.record_socket_dir(tmp, socket_dir)
     board = os.path.join(tmp, "steps")
     saved: dict[str, Any] = {"tempdir": tempfile.tempdir, "TMPDIR": os.environ.get("TMPDIR"),
                              "handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}}
     tempfile.tempdir = tmp
     os.environ["TMPDIR"] = tmp
     try:
-        agent = _make_agent(cfg, run_dir, resume, tmp, board)
+        agent = _make_agent(cfg, run_dir, resume, tmp, board, start_method)
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         result = agent.run()
         if result.is_failed():
-            _failed(result.failures, run_dir, board)
+            _failed(result.failures, run_dir, board, agent.signalled)
     except SignalException as exc:
         return _interrupted(run_dir, board, cfg.workers, signal_name(int(exc.sigval)))
     except KeyboardInterrupt:
@@ -278,13 +299,14 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
             os.environ["TMPDIR"] = saved["TMPDIR"]
         for sig, handler in saved["handlers"].items():  # the agent installs its own and leaves them
             signal.signal(sig, handler)
+        fork_server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
-def _failed(failures: dict[int, Any], run_dir: str, board: str) -> None:
+def _failed(failures: dict[int, Any], run_dir: str, board: str, signalled: dict[int, int]) -> None:
     """Say why the run failed, in one line (a traceback only for a bug), and raise its exit code."""
-    line, code, _ = _describe(failures, run_dir, board)
+    line, code, _ = _describe(failures, run_dir, board, signalled)
     status = read_status(run_dir) or {}
     if code == EXIT_WORKER_DIED:
         step, what = _last_checkpoint(run_dir)
@@ -299,7 +321,8 @@ def _failed(failures: dict[int, Any], run_dir: str, board: str) -> None:
 
 
 def _remove_orphaned_tmp() -> None:
-    """Remove the private temporary directories of launchers that were killed (SIGKILL runs no cleanup)."""
+    """Remove the private temporary directories of launchers that were killed (SIGKILL runs no cleanup), and
+    the socket directories of their fork servers."""
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)
@@ -312,6 +335,7 @@ def _remove_orphaned_tmp() -> None:
         try:
             os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
+            fork_server.remove_recorded_socket_dir(os.path.join(root, name))
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         except OSError:
             pass  # alive (or another user's)

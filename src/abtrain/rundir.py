@@ -166,7 +166,8 @@ def signal_name(number: int) -> str:
 
 def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when the process that started it dies (a SIGKILLed launcher
-    must not leave workers training into a directory whose lock is free)."""
+    must not leave workers training into a directory whose lock is free). A local worker's parent is the
+    launcher's fork server, which exits as soon as the launcher is gone."""
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)

@@ -79,13 +79,15 @@ def _fail(run_dir: str, error: str, kind: str, retry: bool, step: int | None, **
 
 
 def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, report: bool = False,
-                board: str | None = None, plan: Plan | None = None) -> None:
+                board: str | None = None, plan: Plan | None = None, launcher: int | None = None) -> None:
     """Entry point of one worker process (local launcher, torchrun or srun).
 
     After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) the worker
     continues from the run directory's checkpoint when there is one.
     ``board``: the launcher's step board file, where this worker reports each completed step.
     ``plan``: the launcher's preflight plan when this process is the launcher too (torchrun, srun).
+    ``launcher``: the local launcher's pid (the owner of the run directory; not this process's parent, which is
+    the launcher's fork server).
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Ctrl-C and the launcher's SIGTERM end a worker at once and quietly, even inside a blocking
@@ -129,7 +131,7 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
             trainer.on_step = steps.set
         if topo.rank == 0 and (resume or restarts):
             write_status(run_dir, "running", world_size=topo.world_size, restarts=restarts, resumed_from=trainer.step,
-                         resumes=trainer.resumes, pid=os.getppid() if board else os.getpid())
+                         resumes=trainer.resumes, pid=launcher or os.getpid())
         trainer.run()
         trainer.comm.barrier(topo.world)  # leave together: no worker tears down while a peer still talks
     except Exception as exc:
