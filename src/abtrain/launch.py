@@ -222,6 +222,7 @@ def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: s
 
     class Agent(LocalElasticAgent):
         signalled: dict[int, int] = {}  # of the last failed attempt
+
         def _wake(self) -> None:
             """SIGCONT every worker once one has exited: torch terminates the rest with SIGTERM and waits 30 s
             for each before SIGKILL, and a stopped process would take all of them."""
