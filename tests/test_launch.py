@@ -1,4 +1,5 @@
-"""Joining a world started outside: torchrun's variables, Slurm's srun (one task per worker)."""
+"""Joining a world started outside: torchrun's variables, Slurm's srun (one task per worker); the local
+launcher's fork server."""
 
 import json
 import os
@@ -52,3 +53,26 @@ def test_srun_style_world_trains(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     r = json.loads((tmp_path / "run" / "results.json").read_text())
     assert r["world_size"] == 2 and r["steps"] == 5
+
+
+FORK_SERVER_CHOICES = """
+import multiprocessing, os, sys
+from abtrain import fork_server
+
+method, socket_dir = fork_server.start_method()  # under a TMPDIR too long for a socket path
+assert method == "forkserver" and socket_dir.startswith("/tmp/pymp-"), (method, socket_dir)
+multiprocessing.set_forkserver_preload([])
+p = multiprocessing.get_context("forkserver").Process(target=os.getpid)  # the program's own fork server
+p.start()
+p.join()
+assert fork_server.start_method() == ("spawn", None)  # not the launcher's to preload or end
+print("ok")
+"""
+
+
+def test_fork_server_socket_under_a_long_tmpdir_and_never_a_programs_own_server(tmp_path):
+    long_tmp = tmp_path / ("t" * (120 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    p = subprocess.run([sys.executable, "-c", FORK_SERVER_CHOICES], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TMPDIR": str(long_tmp)})
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr

@@ -34,9 +34,11 @@ def start_method() -> tuple[str, str | None]:
     The server listens on a Unix socket in multiprocessing's temporary directory, made here, before the
     launcher points TMPDIR at its private directory (which it removes at the end). A socket's path holds at most
     107 bytes: under a longer TMPDIR the directory goes to /tmp, and where that fails too the workers are spawned.
+    They are spawned too when this process already runs a fork server of its own (a program that calls the
+    launcher after using the forkserver start method itself): that one is not the launcher's to preload or end.
     Returns the start method and the socket's directory.
     """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in multiprocessing.get_all_start_methods() or _running():
         return "spawn", None
     saved = tempfile.tempdir
     try:
@@ -51,10 +53,15 @@ def start_method() -> tuple[str, str | None]:
     return "forkserver", socket_dir
 
 
+def _running() -> bool:
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
+
+
 def stop() -> None:
     """End the fork server at the end of a launch, so that a later launch from this process starts one with
-    the environment of that time (its TMPDIR, the user's changes to os.environ). It holds nothing but imported
-    modules: SIGKILL spares the second of interpreter teardown that a polite exit would take."""
+    the environment of that time (its TMPDIR, the user's changes to os.environ). Only for a server that
+    :func:`start_method` chose. It holds nothing but imported modules: SIGKILL spares the second of
+    interpreter teardown that a polite exit would take."""
     server = getattr(forkserver, "_forkserver", None)
     pid, halt = getattr(server, "_forkserver_pid", None), getattr(server, "_stop", None)
     if pid is None or halt is None:  # not started, or a Python without the hooks: it exits with this process

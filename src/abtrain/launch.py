@@ -300,7 +300,8 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
             os.environ["TMPDIR"] = saved["TMPDIR"]
         for sig, handler in saved["handlers"].items():  # the agent installs its own and leaves them
             signal.signal(sig, handler)
-        fork_server.stop()
+        if start_method == "forkserver":
+            fork_server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
