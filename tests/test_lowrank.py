@@ -214,7 +214,7 @@ def test_decompose_all_keeps_layers_that_do_not_pay_full():
     # 32x16: r(m+n) = 48r < 512 pays up to r = 10; at r = 11 it does not.
     assert lr.decompose_all(records, [10, 11], svds) == [True, False]
     assert [fp.mode for fp in records] == ["lowrank", "full"]
-    assert "does not pay" in records[1].param.note
+    assert "would hold r(m+n)=" in records[1].param.note
     # The untruncated first decomposition skips the check.
     assert lr.decompose_all(records, [None, None], min_compression=None) == [True, True]
 
@@ -497,4 +497,4 @@ def test_describe_and_log_decisions(caplog):
     with caplog.at_level(logging.INFO, logger="abtrain.lowrank"):
         lr.log_decisions(records)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and "rank 2" in lines[0] and "full rank: does not pay" in lines[1]
+    assert len(lines) == 2 and "rank 2" in lines[0] and "full rank: factors at rank" in lines[1]

@@ -108,10 +108,9 @@ def stopped(tmp_path_factory):
 @pytest.mark.parametrize("flags, message", [(["--device", "cuda"], "CUDA is not available"),
                                             (["--backend", "nccl"], "nccl backend needs CUDA")])
 def test_device_and_backend_are_checked_before_workers_start(tmp_path, capsys, flags, message):
-    start = time.perf_counter()
     code = main(JOB + ["--steps", "5", "--out", str(tmp_path / "run"), *flags])
     assert code == 2 and message in _one_line(capsys.readouterr().err)
-    assert time.perf_counter() - start < 20 and not (tmp_path / "run" / "status.json").exists()
+    assert not (tmp_path / "run" / "status.json").exists()  # refused before any worker started
 
 
 # -- 2: signals to the launcher -------------------------------------------------

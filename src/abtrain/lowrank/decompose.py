@@ -107,7 +107,7 @@ def decompose_all(
 ) -> list[bool]:
     """Decompose each record at its (already agreed) rank where it pays; return which were.
 
-    A layer whose rank does not pay (:func:`factors_compress` with ``min_compression``) is
+    A layer whose factors would not compress it (:func:`factors_compress` with ``min_compression``) is
     recomposed if needed and stays in full mode for this AB phase. Pass
     ``min_compression=None`` to factorise everything (the first, untruncated
     decomposition: full rank never pays). ``svds`` defaults to fresh :func:`svd` calls.
@@ -123,7 +123,7 @@ def decompose_all(
             if fp.mode == "lowrank":
                 recompose(fp)
             fp.param.note = (
-                f"does not pay at rank {r_eff}: r(m+n)={r_eff * (fp.m + fp.n)} "
+                f"factors at rank {r_eff} would hold r(m+n)={r_eff * (fp.m + fp.n)} numbers "
                 f">= m*n/{min_compression:g}={fp.m * fp.n / min_compression:g}"
             )
             done.append(False)
