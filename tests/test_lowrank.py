@@ -498,3 +498,42 @@ def test_describe_and_log_decisions(caplog):
         lr.log_decisions(records)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "rank 2" in lines[0] and "full rank: factors at rank" in lines[1]
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                      lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)])
+def test_project_state_maps_w_moments_through_the_new_factors(make_opt):
+    torch.manual_seed(0)
+    model = MLP()
+    records = lr.prepare_model(model)
+    opt = make_opt(model.parameters())
+    for _ in range(3):
+        _step(model, opt)  # full-rank steps: W gets state
+    fp = records[0]
+    w_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[fp.weight].items()}
+    lr.decompose(fp, 5, optimizer=opt, state="project")
+    a, b = fp.A.detach(), fp.B.detach()
+    sa, sb = opt.state[fp.A], opt.state[fp.B]
+    first = "momentum_buffer" if "momentum_buffer" in w_state else "exp_avg"
+    m = w_state[first].reshape(fp.m, fp.n)
+    assert torch.allclose(sa[first], m @ b.T) and torch.allclose(sb[first], a.T @ m)
+    assert sa[first].shape == (fp.m, 5) and sb[first].shape == (5, fp.n)
+    if "exp_avg_sq" in w_state:
+        v = w_state["exp_avg_sq"].reshape(fp.m, fp.n)
+        assert torch.allclose(sa["exp_avg_sq"], v @ b.square().T) and (sa["exp_avg_sq"] >= 0).all()
+        assert torch.allclose(sb["exp_avg_sq"], a.square().T @ v)
+        assert torch.equal(sa["step"], w_state["step"]) and sa["step"] is not w_state["step"]
+    for rec in records[1:]:
+        lr.decompose(rec, 4, optimizer=opt, state="project")
+    _step(model, opt)  # the optimizer steps on with the projected state
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_project_state_without_w_state_falls_back_to_resizing():
+    model = MLP()
+    records = lr.prepare_model(model)
+    opt = torch.optim.AdamW(model.parameters())
+    fp = records[0]
+    assert not lr.project_state(opt, fp)
+    lr.decompose(fp, 3, optimizer=opt, state="project")
+    assert fp.A not in opt.state or not opt.state[fp.A]
