@@ -25,8 +25,8 @@ state, initialisation), ``report`` (counts, ratios, per-layer lines, the output 
 """
 
 
-from .decompose import (SVD, SVDError, decompose, decompose_all, ortho_sigma_init, project_state, recompose,
-                        reset_state, resize_state, svd)
+from .decompose import (SVD, SVDError, decompose, decompose_all, ortho_sigma_init, recompose, reset_state,
+                        resize_state, svd)
 from .layers import (DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, plain_state_dict, prepare_model,
                      set_mode, set_trainable)
 from .ranks import RankRule, factors_compress
@@ -55,7 +55,6 @@ __all__ = [
     "plain_state_dict",
     "prepare_model",
     "recompose",
-    "project_state",
     "reset_state",
     "resize_state",
     "set_mode",

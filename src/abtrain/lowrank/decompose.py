@@ -57,16 +57,13 @@ def decompose(
     split: Split = "sqrt",
     trained: Factor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    state: str = "keep",
 ) -> None:
     """Cut the SVD of W (``usv`` if already computed, else :func:`svd`) at ``rank`` (None: full rank) into A, B.
 
     split="sqrt": A = U·√σ, B = √σ·Vᵀ. split="sigma": σ goes to the ``trained``
     factor (A = U·σ, B = Vᵀ for "A"; A = U, B = σ·Vᵀ for "B"). A and B keep their
     Parameter identity; their grads are cleared, W's too. If ``optimizer`` is given,
-    the state of A and B is resized to the new rank (:func:`resize_state`), or with
-    ``state="project"`` rebuilt from W's state (:func:`project_state`; resized when W
-    has none). The layer switches to lowrank mode.
+    the state of A and B is resized to the new rank (:func:`resize_state`). The layer switches to lowrank mode.
     """
     u, s, vh = usv if usv is not None else svd(fp)
     full = int(s.numel())
@@ -91,7 +88,7 @@ def decompose(
     fp.A.data = a.to(dtype=w.dtype, device=w.device).contiguous()
     fp.B.data = b.to(dtype=w.dtype, device=w.device).contiguous()
     _set_grads_none(fp.A, fp.B, w)
-    if optimizer is not None and not (state == "project" and project_state(optimizer, fp)):
+    if optimizer is not None:
         resize_state(optimizer, fp.A, factor="A", new_rank=r)
         resize_state(optimizer, fp.B, factor="B", new_rank=r)
     fp.param.note = f"rank {r} of {full}"
@@ -107,7 +104,6 @@ def decompose_all(
     split: Split = "sqrt",
     trained: Factor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    state: str = "keep",
 ) -> list[bool]:
     """Decompose each record at its (already agreed) rank where it pays; return which were.
 
@@ -132,7 +128,7 @@ def decompose_all(
             )
             done.append(False)
             continue
-        decompose(fp, r, usv=usv, split=split, trained=trained, optimizer=optimizer, state=state)
+        decompose(fp, r, usv=usv, split=split, trained=trained, optimizer=optimizer)
         done.append(True)
     return done
 
@@ -182,47 +178,6 @@ def resize_state(optimizer: torch.optim.Optimizer, param: Tensor, *, factor: Fac
             pad_shape = list(value.shape)
             pad_shape[dim] = new_rank - k
             state[key] = torch.cat([value, value.new_zeros(pad_shape)], dim=dim)
-
-
-#: Optimizer state entries that average squared gradients (Adam, AdamW, RMSprop, Adagrad, Adadelta);
-#: every other W-shaped entry is taken to average gradients themselves (momentum, Adam's first moment).
-SQUARED_STATE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum")
-
-
-@torch.no_grad()
-def project_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam) -> bool:
-    """Give A and B the optimizer state of W seen through the new factors; False when W has none.
-
-    A factor's gradient is W's gradient mapped through the other factor (∂A = ∂W·Bᵀ,
-    ∂B = Aᵀ·∂W), so a running mean of W's gradients maps the same way: A's first
-    moment (or momentum buffer) becomes M·Bᵀ and B's Aᵀ·M. A running mean of squared
-    gradients maps through the squared entries (V·(Bᵀ)², (Aᵀ)²·V), which is exact when
-    the gradient's entries are uncorrelated. Scalars (Adam's ``step``) are copied, so
-    the factors go on with W's bias correction instead of restarting the optimizer.
-    W's state is the one its last full-rank step left (warm-up or rebound).
-    """
-    state = optimizer.state.get(fp.weight)
-    if not state:
-        return False
-    a, b = fp.A.detach(), fp.B.detach()
-    out_a: dict[str, object] = {}
-    out_b: dict[str, object] = {}
-    for key, value in state.items():
-        if isinstance(value, Tensor) and value.numel() == fp.m * fp.n and value.ndim >= 1:
-            w = value.reshape(fp.m, fp.n).to(a.dtype)
-            if key in SQUARED_STATE:
-                out_a[key], out_b[key] = w @ b.square().T, a.square().T @ w
-            else:
-                out_a[key], out_b[key] = w @ b.T, a.T @ w
-        elif isinstance(value, Tensor) and value.numel() == 1:
-            out_a[key], out_b[key] = value.clone(), value.clone()
-        elif not isinstance(value, Tensor):
-            out_a[key] = out_b[key] = value
-        else:
-            return False  # a W-sized entry of another shape: not a state this rule knows
-    optimizer.state[fp.A] = out_a
-    optimizer.state[fp.B] = out_b
-    return True
 
 
 def reset_state(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:

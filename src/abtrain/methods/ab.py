@@ -261,10 +261,8 @@ class ABTraining(Method):
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
             trained = self._trained_role() if self.cfg.split == "sigma" else None
-            policy = self.cfg.optimizer_state
-            state = "project" if policy == "project" or (policy == "project-first" and not self.ranks) else "keep"
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
-                                  split=self.cfg.split, trained=trained, optimizer=optimizer, state=state)
+                                  split=self.cfg.split, trained=trained, optimizer=optimizer)
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)

@@ -14,7 +14,7 @@ SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
 SPLITS = ("sqrt", "sigma")
 SYNC_DTYPES = ("fp32", "bf16")
-STATE_POLICIES = ("keep", "reset", "project", "project-first")
+STATE_POLICIES = ("keep", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
 
@@ -45,7 +45,7 @@ class ABConfig(Options):
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
-    optimizer_state: str = opt("keep", "optimizer state of the factors at each decomposition: keep (resized to the new rank), reset, or project W's state through the new factors (project-first: only at the first decomposition, then keep)", choices=STATE_POLICIES)
+    optimizer_state: str = opt("keep", "keep (resized) or reset the optimizer state of factors at each decomposition", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("fp32", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
