@@ -53,6 +53,17 @@ def test_warmup_zero_and_rebound_zero_events():
     assert all(s.events(t) == (False, False) for t in range(1, 13) if t % 4)
 
 
+def test_a_warmup_that_fills_the_run_never_decomposes():
+    s = Schedule.from_config(ABConfig(warmup_steps=10, cycle_steps=4, rebound_steps=0), 10)
+    assert all(s.events(t) == (False, False) for t in range(1, 15))
+    assert {s.phase_at(t) for t in range(15)} == {"warmup"}
+    # a full-rank last phase goes on past the budget; an AB phase keeps its cycles
+    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1, final_rebound_steps=2), 10)
+    assert s.phase_at(9) == "rebound" and {s.phase_at(t) for t in range(10, 20)} == {"rebound"}
+    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1), 10)
+    assert s.phase_at(9) == "ab" and s.events(12) == (True, False) and s.phase_at(13) == "ab"
+
+
 def test_schedule_without_budget_is_refused_with_what_to_do():
     method = ABTraining(Communicator(), Topology(), ABConfig(sync="only-b"))
     model = method.prepare(nn.Sequential(nn.Linear(4, 32), nn.Linear(32, 32), nn.Linear(32, 2)))

@@ -45,7 +45,18 @@ class Schedule:
         return cls(warmup, cycle, rebound, lr_rebound, total, cfg.final_rebound_steps)
 
     def phase_at(self, t: int) -> str:
-        """Phase of optimizer step ``t`` (0-based)."""
+        """Phase of optimizer step ``t`` (0-based).
+
+        Past the run's length a full-rank last phase goes on (a warm-up that fills the
+        run never decomposes); an AB phase goes on with its cycles.
+        """
+        if self.total is not None and t >= self.total > 0:
+            last = self._phase(self.total - 1)
+            if last != "ab":
+                return last
+        return self._phase(t)
+
+    def _phase(self, t: int) -> str:
         if t < self.warmup:
             return "warmup"
         if self.total is not None and self.final_rebound and t >= self.total - self.final_rebound:
