@@ -112,6 +112,9 @@ for r in rows:
             print(f"ranks {r['config']} seed {seed}: {text}")
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(out, "ab_configs.json"), "w") as fh:
-    json.dump({"command": " ".join(shlex.quote(a) for a in sys.argv), "workload": workload.description,
+    # The command as run from the repository root: script and paths inside it relative to it.
+    argv = [os.path.relpath(a, ROOT) if os.path.isabs(a) and a.startswith(ROOT + os.sep) else a for a in sys.argv]
+    argv[0] = "benchmarks/ab_configs.py"
+    json.dump({"command": " ".join(shlex.quote(a) for a in argv), "workload": workload.description,
                "metric": metric, "rows": rows}, fh, indent=2)
 print(f"\nwrote {os.path.join(out, 'ab_configs.json')}")
