@@ -292,6 +292,53 @@ def test_expected_link_bytes_on_hand_computed_numbers():
     assert not link_check(results, {"layout": "node", "node_size": 2, "tx_bytes": [820_000, 820_000]})["within_tolerance"]
     assert link_check(results, {"layout": "worker", "node_size": 1,
                                 "tx_bytes": [905_000] * 4})["ratio"] == pytest.approx(1.0)
+    # Headers out: 66 bytes per packet sent. 2000 packets per node on 862 kB: 730 kB of payload, the expected.
+    packed = link_check(results, {"layout": "node", "node_size": 2, "tx_bytes": [892_000, 832_000],
+                                  "tx_packets": [2000, 2000]})
+    assert packed["ratio"] == pytest.approx(862 / 730) and not packed["within_tolerance"]
+    assert packed["payload_tx_bytes"] == [760_000, 700_000] and packed["payload_ratio"] == pytest.approx(1.0)
+
+
+_TCP_SINK = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 29611)); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept(); n = 0
+while b := c.recv(1 << 20):
+    n += len(b)
+print(n, flush=True)
+"""
+_TCP_SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], 29611))
+for _ in range(int(sys.argv[3])):
+    c.sendall(b"x" * int(sys.argv[2]))
+c.close()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("message", [2_000, 1_000_000])
+def test_link_counters_less_66_bytes_per_packet_are_the_tcp_payload(message):
+    """A TCP transfer of known size between two nodes: both interfaces' tx less 66 B per packet is the payload."""
+    from abtrain.bench.linkbytes import HEADER_BYTES
+    total = 8_000_000
+    with netns.Network(2, netns.NetSpec.parse("rate=500mbit")) as net:
+        before = net.counters()
+        sink = subprocess.Popen(net.exec_prefix(1) + [sys.executable, "-c", _TCP_SINK], stdout=subprocess.PIPE,
+                                text=True)
+        assert sink.stdout.readline().strip() == "ready"
+        subprocess.run(net.exec_prefix(0) + [sys.executable, "-c", _TCP_SOURCE, net.address(1), str(message),
+                                             str(total // message)], check=True, timeout=60)
+        received = int(sink.communicate(timeout=60)[0])
+        after = net.counters()
+    assert received == total
+    tx = sum(a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before))
+    packets = sum(a["tx_packets"] - b["tx_packets"] for a, b in zip(after, before))
+    assert all("tcp_retrans_segs" in c for c in after)
+    # The connection's SYNs carry 8 more bytes of options each: a few dozen bytes over the whole transfer.
+    assert abs(tx - HEADER_BYTES * packets - total) < 100, (tx, packets)
 
 
 _OPS = """

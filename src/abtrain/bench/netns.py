@@ -276,13 +276,21 @@ class Network:
 
 
 def read_counters(ns: str, dev: str) -> dict[str, int]:
-    text = _run(["ip", "netns", "exec", ns, "cat", "/proc/net/dev"])
+    """The interface's byte and packet counters, and the namespace's TCP segments sent and retransmitted."""
+    text = _run(["ip", "netns", "exec", ns, "cat", "/proc/net/dev", "/proc/net/snmp"])
+    counters: dict[str, int] = {}
     for line in text.splitlines():
         name, sep, rest = line.partition(":")
         if sep and name.strip() == dev:
             v = [int(x) for x in rest.split()]
-            return {"rx_bytes": v[0], "rx_packets": v[1], "tx_bytes": v[8], "tx_packets": v[9]}
-    raise NetworkError(f"interface {dev} not found in namespace {ns}")
+            counters.update(rx_bytes=v[0], rx_packets=v[1], tx_bytes=v[8], tx_packets=v[9])
+    if not counters:
+        raise NetworkError(f"interface {dev} not found in namespace {ns}")
+    tcp = [line.split()[1:] for line in text.splitlines() if line.startswith("Tcp:")]
+    if len(tcp) == 2 and not tcp[1][0].lstrip("-").isalpha():  # a header line, then the values
+        values = dict(zip(tcp[0], tcp[1]))
+        counters.update(tcp_out_segs=int(values.get("OutSegs", 0)), tcp_retrans_segs=int(values.get("RetransSegs", 0)))
+    return counters
 
 
 def unavailable_reason() -> str | None:

@@ -254,6 +254,9 @@ def _run_method(outcome: Outcome, network: netns.Network | None, port: int) -> N
             "rx_bytes": [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(after, before)],
             "tx_packets": [a["tx_packets"] - b["tx_packets"] for a, b in zip(after, before)],
         }
+        for key in ("tcp_out_segs", "tcp_retrans_segs"):
+            if all(key in c for c in after + before):
+                outcome.measured[key] = [a[key] - b[key] for a, b in zip(after, before)]
 
 
 def _error_of(run_dir: str, tail: collections.deque[str], rc: int) -> str:
