@@ -54,6 +54,17 @@ def _tensors(snapshot):
     return {(kind, name): v for kind, part in snapshot.items() for name, v in part.items()}
 
 
+def _moments(method, opt):
+    """The first moment (SGD momentum or Adam's exp_avg) of the factor each layer trains on this worker."""
+    out = {}
+    for fp in method.records:
+        state = opt.state.get(fp.A if method.role == "A" else fp.B, {})
+        moment = state.get("momentum_buffer", state.get("exp_avg"))
+        if moment is not None:
+            out[fp.name] = moment.clone()
+    return out
+
+
 def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     comm = Communicator()
     torch.manual_seed(0)
@@ -78,6 +89,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             sync_due["before"] = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone())
                                   for fp in method.records if fp.mode == "lowrank"}
             sync_due["before_other"] = _snapshot(method, model)["other"]  # parameters kept full rank
+            sync_due["moments"] = _moments(method, opt)
 
     opt.register_step_post_hook(before_the_method)
     gen = torch.Generator().manual_seed(100 + topo.rank)  # every worker its own data
@@ -101,7 +113,8 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
                                  "modes": {fp.name: fp.mode for fp in method.records},
                                  "state_shapes": {fp.name: [tuple(v.shape) for v in opt.state.get(fp.A, {}).values()
                                                             if torch.is_tensor(v) and v.ndim == 2]
-                                                  for fp in method.records}})
+                                                  for fp in method.records},
+                                 "moments": _moments(method, opt)})
             out["ledger_by_step"].append(copy.deepcopy(comm.ledger.summary()["by_phase"]))
     out["ranks_log"] = method.ranks
     out["records"] = [(fp.name, fp.m, fp.n) for fp in method.records]
@@ -115,6 +128,7 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "with-stale": ({"rank_fraction": 0.25}, "sgd", STEPS, False),
     "ranks": ({"tau": 0.5}, "adamw", STEPS, False),
     "only-learned": ({"rank_fraction": 0.25, "sync": "only-learned"}, "sgd", T_W + K, False),
+    "map": ({"tau": 0.5, "optimizer_state": "map"}, "adamw", STEPS, False),
     "full": ({"rank_fraction": 0.25, "sync": "full"}, "sgd", T_W + K, False),
     "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
     "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
@@ -247,6 +261,29 @@ def test_ranks_agree_and_follow_the_rule(runs):
             for name, m, n in o["records"]:
                 if s["modes"][name] == "lowrank" and s["state_shapes"][name]:
                     assert all(shape == (m, s["ranks"][name]) for shape in s["state_shapes"][name])
+
+
+def test_mapped_optimizer_state_follows_the_new_factors(runs):
+    """optimizer_state="map": at each truncation the trained factor's moment becomes M·(B₀ᵀ)⁺·B'ᵀ (A) or A'ᵀ·(A₀ᵀ)⁺·M (B)."""
+    outs = runs["map"]
+    for i in range(3):  # one model on every worker after each sync, as with the other policies
+        ref = _tensors(outs[0]["syncs"][i]["after"])
+        assert all(torch.equal(v, ref[k]) for o in outs[1:] for k, v in _tensors(o["syncs"][i]["after"]).items())
+    checked = 0
+    for o in outs:
+        for sync in o["syncs"][:2]:  # the third sync ends the run's last AB phase
+            cut = next(s for s in o["steps"] if s["t"] == sync["step"] + F)  # the truncation after the rebound
+            for name, (a0, b0) in sync["before"].items():
+                if name not in sync["moments"]:
+                    continue
+                m = sync["moments"][name].double()
+                a1, b1 = cut["after"]["A"][name].double(), cut["after"]["B"][name].double()
+                want = (m @ torch.linalg.pinv(b0.double().T, rtol=1e-6) @ b1.T if o["role"] == "A"
+                        else a1.T @ torch.linalg.pinv(a0.double().T, rtol=1e-6) @ m)
+                got = cut["moments"][name].double()
+                assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-3, atol=1e-6), (name, o["rank"])
+                checked += 1
+    assert checked >= 8
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])

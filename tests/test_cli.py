@@ -178,11 +178,12 @@ FLAGS = {
     "--ab-independent", "--no-ab-independent", "--ab-lr-rebound-steps", "--ab-lr-floor", "--ab-split",
     "--ab-optimizer-state", "--ab-init", "--ab-full-rank", "--ab-final-rebound-steps",
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
-    "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank", "--ab-sync-dtype",
+    "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank", "--ab-powersgd-dtype",
+    "--ab-sync-dtype",
     "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",
-    "--powersgd-seed", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",
+    "--powersgd-seed", "--powersgd-dtype", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",
     "--hlocalsgd-h",
 }
 

@@ -405,6 +405,53 @@ def test_resize_state_pads_state_of_a_zero_size_placeholder():
     opt.step()
 
 
+@pytest.mark.parametrize("trained", ["A", "B"])
+def test_map_state_carries_momentum_into_the_new_basis(trained):
+    """After steps on one factor, the mapped momentum is W's momentum seen through the new factors."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 32)
+    (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
+    lr.decompose(fp, 6)
+    lr.set_trainable([fp], trained)
+    opt = torch.optim.SGD([fp.A, fp.B, layer.bias], lr=0.05, momentum=0.9)
+    frozen = (fp.B if trained == "A" else fp.A).detach().clone()
+    w_momentum = torch.zeros(32, 16)
+    for _ in range(3):
+        x, target = torch.randn(8, 16), torch.randn(8, 32)
+        y = layer(x)
+        w_momentum = 0.9 * w_momentum + (y - target).detach().T @ x  # dL/dW of 0.5 * ||y - target||^2
+        opt.zero_grad()
+        (0.5 * (y - target).pow(2).sum()).backward()
+        opt.step()
+    lr.recompose(fp)
+    lr.decompose(fp, 4, optimizer=opt, moments_against=(trained, frozen))  # a new basis, and a smaller rank
+    got = opt.state[fp.A if trained == "A" else fp.B]["momentum_buffer"]
+    want = w_momentum @ fp.B.detach().T if trained == "A" else fp.A.detach().T @ w_momentum
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    # keep (resize) instead would keep the old basis' columns: not the same momentum
+    assert not torch.allclose(got, (w_momentum @ frozen.T)[:, :4] if trained == "A" else (frozen.T @ w_momentum)[:4],
+                              atol=1e-2)
+
+
+def test_map_state_of_a_mere_reparametrisation_changes_adam_moments_only_by_sign():
+    torch.manual_seed(1)
+    layer = nn.Linear(16, 32)
+    (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
+    lr.decompose(fp, 5)
+    lr.set_trainable([fp], "A")
+    opt = torch.optim.AdamW([fp.A], lr=0.0)  # moments without a move: W stays A·B
+    layer(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[fp.A].items()}
+    frozen = fp.B.detach().clone()
+    lr.recompose(fp)
+    lr.decompose(fp, 5, optimizer=opt, moments_against=("A", frozen))  # W = A·B again: the same factors up to signs
+    after = opt.state[fp.A]
+    assert torch.allclose(after["exp_avg_sq"], before["exp_avg_sq"], rtol=1e-3, atol=1e-9)
+    assert torch.allclose(after["exp_avg"].abs(), before["exp_avg"].abs(), rtol=1e-3, atol=1e-7)
+    assert torch.equal(torch.as_tensor(after["step"]), torch.as_tensor(before["step"]))
+
+
 def test_reset_state_drops_factor_state():
     model = MLP()
     records = lr.prepare_model(model)

@@ -130,3 +130,39 @@ def test_a_world_of_one_sends_nothing():
         reducer.reduce(grads, LocalWorld(1).group)
     assert all(torch.equal(a, b) for a, (_, b) in zip(before, grads))
     assert comm.calls == [] and comm.ledger.summary()["calls"] == 0
+
+
+def test_powersgd_in_bf16_halves_the_bytes_and_keeps_the_rounding_in_the_error_memory():
+    world, r, steps = LocalWorld(2), 2, 3
+
+    def worker(comm):
+        reducer = PowerSGDReducer(comm, rank=r, wire_dtype=torch.bfloat16)
+        out = {"after": [], "identity": []}
+        for step in range(steps):
+            grads = _grads(comm.rank, step)
+            before = {n: g.clone() for n, g in grads}
+            old = {n: e.clone() for n, e in reducer.errors.items()}
+            reducer.reduce(grads, world.group)
+            out["after"].append({n: g.clone() for n, g in grads})
+            for n, g in grads:  # delivered + kept == input + old error: the bf16 rounding is kept, not lost
+                out["identity"].append(float((g + reducer.errors[n] - before[n] - old.get(n, 0)).abs().max()))
+        out["summary"], out["calls"] = comm.ledger.summary(), comm.calls
+        return out
+
+    outs = world.run(worker)
+    for a, b in zip(outs[0]["after"], outs[1]["after"]):
+        assert all(torch.equal(a[n], b[n]) for n in a)  # one result on every worker
+    assert max(outs[0]["identity"]) < 1e-5
+    compressed, plain = [(24, 32), (16, 36)], 24 + 6
+    per_step = sum(r * (m + n) for m, n in compressed) + plain
+    assert outs[0]["summary"]["payload_bytes"] == steps * 2 * per_step
+    assert {c.dtype for c in outs[0]["calls"]} == {torch.bfloat16} and len(outs[0]["calls"]) == 3 * steps
+
+    def in_fp32(comm):
+        grads = _grads(comm.rank, 0)
+        PowerSGDReducer(comm, rank=r).reduce(grads, world.group)
+        return dict(grads)["fc.weight"]
+
+    # bf16 was really on the wire: the first step's result is near, not equal to, the fp32 reduction's
+    exact, rounded = world.run(in_fp32)[0], outs[0]["after"][0]["fc.weight"]
+    assert not torch.equal(exact, rounded) and torch.allclose(exact, rounded, rtol=0.05, atol=0.05)

@@ -10,7 +10,8 @@ ledger counts exactly what travels:
   (Vogels et al., NeurIPS 2019, Algorithm 1, in the form of torch's
   ``powerSGD_hook``): each gradient matrix M (plus its error memory) is sent as
   P = M·Q and Q = Mᵀ·P̂ (r·(m+n) numbers instead of m·n); tensors that would
-  not shrink (1-D, small) are averaged uncompressed.
+  not shrink (1-D, small) are averaged uncompressed. ``wire_dtype=bfloat16``
+  sends all three buffers in half the bytes; error feedback keeps the rounding.
 
 Every worker ends a ``reduce`` with the same gradients. ``reduce_async`` is the
 same reduction returning a future (DDP's communication hook waits on it, see
@@ -132,15 +133,22 @@ class PowerSGDReducer(Reducer):
     memory keeps what this worker's (corrected) gradient lost. Random Qs come
     from ``seed`` through one NumPy stream, one draw per new set of tensors
     (the same on every worker); with ``warm_start`` each Q starts from the last one.
+
+    ``wire_dtype`` (bfloat16) casts each of the three buffers for its all-reduce
+    and back; averages divide before the sum, as :class:`BF16AllReduce` does.
+    The Ps are orthonormalised and M ≈ P·Qᵀ formed in the gradients' dtype from
+    what arrived, so the rounding the narrow type costs is part of what the
+    error memory keeps and is sent again later (with ``error_feedback``).
     """
 
     def __init__(self, comm: Communicator, rank: int = 4, *, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, wire_dtype: torch.dtype | None = None) -> None:
         super().__init__(comm)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
         self.rank = rank
+        self.wire_dtype = wire_dtype
         self.min_compression_rate = min_compression_rate
         self.error_feedback = error_feedback
         self.warm_start = warm_start
@@ -216,15 +224,14 @@ class PowerSGDReducer(Reducer):
         for (_, m, _), q, p in zip(low, qs, ps):
             torch.bmm(m, q, out=p)
         if plain:
-            flat = torch.cat([t.reshape(-1) for t in plain])
-            _unpack(self.comm.all_reduce(flat, group, average=True), plain)
+            self.comm.all_reduce_tensors(plain, group, average=True, wire_dtype=self.wire_dtype)
         if low:
-            self.comm.all_reduce(p_flat, group)  # a sum: the Ps are orthonormalised next
+            self._all_reduce(p_flat, group, average=False)  # a sum: the Ps are orthonormalised next
             for p in ps:
                 orthogonalize(p, self.epsilon)
             for (_, m, _), p, q in zip(low, ps, qs):
                 torch.bmm(m.transpose(1, 2), p, out=q)
-            self.comm.all_reduce(q_flat, group, average=True)
+            self._all_reduce(q_flat, group, average=True)
             for (_, m, _), p, q in zip(low, ps, qs):
                 torch.bmm(p, q.transpose(1, 2), out=m)
             if self.warm_start:
@@ -232,6 +239,13 @@ class PowerSGDReducer(Reducer):
         if self.error_feedback:
             for (name, g), before in zip(grads, sent):
                 self.errors[name] = before - g  # what this worker's gradient lost in the reduction
+
+    def _all_reduce(self, flat: torch.Tensor, group: Group, average: bool) -> None:
+        """Sum (or average) ``flat`` in place over ``group``, sent as :attr:`wire_dtype` when one is set."""
+        if self.wire_dtype is None:
+            self.comm.all_reduce(flat, group, average=average)
+        else:
+            self.comm.all_reduce_tensors([flat], group, average=average, wire_dtype=self.wire_dtype)
 
     def reset(self) -> None:
         self.errors.clear()
@@ -255,14 +269,17 @@ class PowerSGDReducer(Reducer):
 
 
 DENSE_REDUCERS = ("fp32", "bf16", "powersgd")
+WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # a flag's value -> the dtype sent (None: as computed)
 
 
-def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0) -> Reducer:
-    """The reducer called ``kind`` (one of :data:`DENSE_REDUCERS`)."""
+def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0,
+                  powersgd_dtype: str = "fp32") -> Reducer:
+    """The reducer called ``kind`` (one of :data:`DENSE_REDUCERS`); ``powersgd_dtype``: its P and Q on the wire."""
     if kind == "fp32":
         return AllReduce(comm)
     if kind == "bf16":
         return BF16AllReduce(comm)
     if kind == "powersgd":
-        return PowerSGDReducer(comm, rank=rank, seed=seed, orthogonalization_epsilon=1e-8)
+        return PowerSGDReducer(comm, rank=rank, seed=seed, orthogonalization_epsilon=1e-8,
+                               wire_dtype=WIRE_DTYPES[powersgd_dtype])
     raise ValueError(f"unknown gradient reducer {kind!r}; choose one of: {', '.join(DENSE_REDUCERS)}")

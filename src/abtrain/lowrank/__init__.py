@@ -25,8 +25,8 @@ state, initialisation), ``report`` (counts, ratios, per-layer lines, the output 
 """
 
 
-from .decompose import (SVD, SVDError, decompose, decompose_all, ortho_sigma_init, recompose, reset_state,
-                        resize_state, svd)
+from .decompose import (SVD, SVDError, decompose, decompose_all, map_state, ortho_sigma_init, recompose,
+                        reset_state, resize_state, svd)
 from .layers import (DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, plain_state_dict, prepare_model,
                      set_mode, set_trainable)
 from .ranks import RankRule, factors_compress
@@ -50,6 +50,7 @@ __all__ = [
     "format_ratio",
     "full_param_count",
     "log_decisions",
+    "map_state",
     "ortho_sigma_init",
     "output_weights",
     "plain_state_dict",

@@ -57,13 +57,17 @@ def decompose(
     split: Split = "sqrt",
     trained: Factor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    moments_against: tuple[Factor, Tensor] | None = None,
 ) -> None:
     """Cut the SVD of W (``usv`` if already computed, else :func:`svd`) at ``rank`` (None: full rank) into A, B.
 
     split="sqrt": A = U·√σ, B = √σ·Vᵀ. split="sigma": σ goes to the ``trained``
     factor (A = U·σ, B = Vᵀ for "A"; A = U, B = σ·Vᵀ for "B"). A and B keep their
     Parameter identity; their grads are cleared, W's too. If ``optimizer`` is given,
-    the state of A and B is resized to the new rank (:func:`resize_state`). The layer switches to lowrank mode.
+    the state of A and B is resized to the new rank (:func:`resize_state`); with
+    ``moments_against`` = (factor trained, the frozen factor it was trained against)
+    the trained factor's state is instead mapped into the new factors' basis
+    (:func:`map_state`). The layer switches to lowrank mode.
     """
     u, s, vh = usv if usv is not None else svd(fp)
     full = int(s.numel())
@@ -89,8 +93,12 @@ def decompose(
     fp.B.data = b.to(dtype=w.dtype, device=w.device).contiguous()
     _set_grads_none(fp.A, fp.B, w)
     if optimizer is not None:
-        resize_state(optimizer, fp.A, factor="A", new_rank=r)
-        resize_state(optimizer, fp.B, factor="B", new_rank=r)
+        mapped = moments_against[0] if moments_against is not None else None
+        if mapped is not None:
+            map_state(optimizer, fp, factor=mapped, frozen=moments_against[1])
+        for name, factor in (("A", fp.A), ("B", fp.B)):
+            if name != mapped:
+                resize_state(optimizer, factor, factor=name, new_rank=r)
     fp.param.note = f"rank {r} of {full}"
     set_mode([fp], "lowrank")
 
@@ -104,6 +112,7 @@ def decompose_all(
     split: Split = "sqrt",
     trained: Factor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    moments_against: dict[str, tuple[Factor, Tensor]] | None = None,
 ) -> list[bool]:
     """Decompose each record at its (already agreed) rank where it pays; return which were.
 
@@ -111,6 +120,7 @@ def decompose_all(
     recomposed if needed and stays in full mode for this AB phase. Pass
     ``min_compression=None`` to factorise everything (the first, untruncated
     decomposition: full rank never pays). ``svds`` defaults to fresh :func:`svd` calls.
+    ``moments_against`` (by layer name) is :func:`decompose`'s, for the layers it names.
     """
     if len(ranks) != len(records) or (svds is not None and len(svds) != len(records)):
         raise ValueError("records, ranks and svds must have the same length")
@@ -128,7 +138,8 @@ def decompose_all(
             )
             done.append(False)
             continue
-        decompose(fp, r, usv=usv, split=split, trained=trained, optimizer=optimizer)
+        decompose(fp, r, usv=usv, split=split, trained=trained, optimizer=optimizer,
+                  moments_against=(moments_against or {}).get(fp.name))
         done.append(True)
     return done
 
@@ -178,6 +189,47 @@ def resize_state(optimizer: torch.optim.Optimizer, param: Tensor, *, factor: Fac
             pad_shape = list(value.shape)
             pad_shape[dim] = new_rank - k
             state[key] = torch.cat([value, value.new_zeros(pad_shape)], dim=dim)
+
+
+#: State tensors that are sums of gradients (mapped linearly) and of squared gradients (mapped through T∘T).
+FIRST_MOMENTS = ("momentum_buffer", "exp_avg")
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
+PINV_RTOL = 1e-6
+
+
+@torch.no_grad()
+def map_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: Factor, frozen: Tensor) -> None:
+    """Carry the optimizer state of trained ``factor`` into the basis of the new A and B (already in place).
+
+    The state was gathered as gradients of W = A·B₀ with respect to A, i.e.
+    G·B₀ᵀ, with B₀ = ``frozen`` (for ``factor="B"``: A₀ᵀ·G). A new SVD gives
+    factors in another basis (singular vectors rotate, signs flip, the rank can
+    shrink), in which the old moments point the wrong way. Reading G back as
+    M·(B₀ᵀ)⁺ gives them in the new basis: M' = M·T with T = (B₀ᵀ)⁺·B'ᵀ
+    (for B: M' = T·M with T = A'ᵀ·(A₀ᵀ)⁺). When the new factors are only a
+    re-parametrisation of the old ones (A' = A₀R, B' = R⁻¹B₀), T is R⁻ᵀ (Rᵀ for
+    B), exactly how a gradient transforms. Second moments, averages of squared
+    gradients, go through T∘T (exact for a signed permutation, and never
+    negative). Other state (Adam's ``step``) is kept; state of other shapes is resized.
+    """
+    param = fp.A if factor == "A" else fp.B
+    state = optimizer.state.get(param)
+    if not state:
+        return
+    f = frozen.to(torch.float32)
+    # rtol: directions the frozen factor does not span carry no gradient, and must not blow up rounding
+    if factor == "A":  # frozen B₀: k×n, new B': r×n; T: k×r, applied on the right of the m×k moments
+        t = torch.linalg.pinv(f.T, rtol=PINV_RTOL) @ fp.B.detach().to(torch.float32).T
+        expected = (fp.A.shape[0], f.shape[0])
+    else:  # frozen A₀: m×k, new A': m×r; T: r×k, applied on the left of the k×n moments
+        t = fp.A.detach().to(torch.float32).T @ torch.linalg.pinv(f.T, rtol=PINV_RTOL)
+        expected = (f.shape[1], fp.B.shape[1])
+    for key, value in list(state.items()):
+        if isinstance(value, Tensor) and tuple(value.shape) == expected and key in FIRST_MOMENTS + SECOND_MOMENTS:
+            op = t if key in FIRST_MOMENTS else t * t
+            v = value.to(torch.float32)
+            state[key] = (v @ op if factor == "A" else op @ v).to(value.dtype)
+    resize_state(optimizer, param, factor=factor, new_rank=fp.rank)  # state of any other shape
 
 
 def reset_state(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:

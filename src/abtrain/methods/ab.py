@@ -60,7 +60,8 @@ class ABTraining(Method):
         # scopes still follow the physical groups (topo.world crosses them); only the reduction widens.
         self.train_group = topo.world if only_b and self.cfg.only_b_groups == "world" else topo.group
         self.rule = self.cfg.rank_rule()
-        self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank)
+        self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank,
+                                   powersgd_dtype=self.cfg.powersgd_dtype)
         self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
         self.wire_dtype = torch.bfloat16 if self.cfg.sync_dtype == "bf16" else None
         num_a_groups = max(1, topo.num_groups // 2)
@@ -84,6 +85,8 @@ class ABTraining(Method):
         self.svd_seconds = 0.0
         self.sync_seconds = 0.0
         self.ratio: float | None = None
+        # optimizer_state="map": this worker's frozen factors as they were at the last sync, by layer
+        self._frozen: dict[str, torch.Tensor] = {}
         if not self.cfg.needs_budget:
             self.set_total_steps(None)
 
@@ -262,7 +265,8 @@ class ABTraining(Method):
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
             trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
-                                  split=self.cfg.split, trained=trained, optimizer=optimizer)
+                                  split=self.cfg.split, trained=trained, optimizer=optimizer,
+                                  moments_against=self._moments_against())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
@@ -283,10 +287,19 @@ class ABTraining(Method):
                 self.say("  " + line)
             self._said_lines = lines
 
+    def _moments_against(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """For optimizer_state="map": the factor each layer trained, and the frozen one it was trained against."""
+        role = self._trained_role()
+        against = {name: (role, frozen) for name, frozen in self._frozen.items()}
+        self._frozen = {}
+        return against
+
     @torch.no_grad()
     def _sync(self, optimizer: torch.optim.Optimizer) -> None:
         start = time.perf_counter()
         low = [fp for fp in self.records if fp.mode == "lowrank"]
+        if self.cfg.optimizer_state == "map":
+            self._frozen = {fp.name: (fp.B if self._trained_role() == "A" else fp.A).detach().clone() for fp in low}
         with torch.profiler.record_function("abtrain::ab::sync"), self.comm.ledger.in_phase("sync"):
             buffers = [b for b in self.module.buffers() if b.is_floating_point()]
             full = full_rank_tensors(self.module, self.records)
@@ -336,7 +349,8 @@ class ABTraining(Method):
         with torch.profiler.record_function("abtrain::ab::decompose"):
             trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(low, [ranks[fp.name] for fp in low], [lowrank.svd(fp) for fp in low],
-                                  min_compression=None, split=self.cfg.split, trained=trained, optimizer=optimizer)
+                                  min_compression=None, split=self.cfg.split, trained=trained, optimizer=optimizer,
+                                  moments_against=self._moments_against())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
         self._agreed_at = self.t
@@ -365,7 +379,7 @@ class ABTraining(Method):
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
-                "ratio": self.ratio, "dense": self.dense.state_dict()}
+                "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
@@ -382,6 +396,7 @@ class ABTraining(Method):
         self.sync_seconds = state["sync_seconds"]
         self.ratio = state["ratio"]
         self.dense.load_state_dict(state["dense"])
+        self._frozen = dict(state.get("frozen", {}))
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..comm import Communicator
-from ..reducers import PowerSGDReducer, Reducer
+from ..reducers import WIRE_DTYPES, PowerSGDReducer, Reducer
 from ..topology import Topology
 from ..validate import Options, opt
 from .ddp import DDPMethod
@@ -38,6 +38,7 @@ class PowerSGDConfig(Options):
     min_compression_rate: float = opt(2.0, "compress a matrix only when (rows + cols) * r * this < rows * cols")
     orthogonalization_epsilon: float = opt(0.0, "added to column norms in the orthogonalisation (e.g. 1e-8 against all-zero gradients)")
     seed: int = opt(0, "seed of the random initial Qs (the same on every worker)")
+    dtype: str = opt("fp32", "dtype of P, Q and the uncompressed tensors on the wire (bf16: half the bytes of the compressed steps; error feedback keeps the rounding)", choices=tuple(WIRE_DTYPES))
 
     def check(self) -> None:
         self.require("rank", self.rank >= 1, "a positive integer")
@@ -66,7 +67,8 @@ class PowerSGD(DDPMethod):
         self.compressor = PowerSGDReducer(
             comm, self.cfg.rank, min_compression_rate=self.cfg.min_compression_rate,
             error_feedback=use_error_feedback, warm_start=warm_start,
-            orthogonalization_epsilon=self.cfg.orthogonalization_epsilon, seed=self.cfg.seed)
+            orthogonalization_epsilon=self.cfg.orthogonalization_epsilon, seed=self.cfg.seed,
+            wire_dtype=WIRE_DTYPES[self.cfg.dtype])
         self.iter = 0  # backward passes whose buckets were all reduced
 
     @property
