@@ -452,6 +452,27 @@ def test_map_state_of_a_mere_reparametrisation_changes_adam_moments_only_by_sign
     assert torch.equal(torch.as_tensor(after["step"]), torch.as_tensor(before["step"]))
 
 
+def test_a_new_rank_trains_while_the_last_steps_graph_is_still_alive():
+    """A loop's ``loss`` keeps the last step's graph; a truncation right after it (no rebound) must not break backward."""
+    torch.manual_seed(0)
+    model = MLP()
+    records = lr.prepare_model(model)
+    for fp in records:
+        lr.decompose(fp, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss = model(MLP.example()).square().mean()
+    loss.backward()
+    opt.step()
+    for fp in records:  # `loss` and its graph are still alive here, as in a user's loop
+        lr.recompose(fp)
+        lr.decompose(fp, 4, optimizer=opt)
+    opt.zero_grad()
+    loss = model(MLP.example()).square().mean()
+    loss.backward()
+    assert all(fp.A.grad.shape == fp.A.shape == (fp.m, 4) for fp in records)
+    opt.step()
+
+
 def test_reset_state_drops_factor_state():
     model = MLP()
     records = lr.prepare_model(model)

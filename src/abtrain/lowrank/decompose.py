@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .layers import Factor, FactorizedParam, Split, set_mode
+from .layers import Factor, FactorizedParam, Split, replace_data, set_mode
 from .ranks import factors_compress
 
 logger = logging.getLogger(__name__)
@@ -89,8 +89,8 @@ def decompose(
         raise ValueError(f'split must be "sqrt" or "sigma", got {split!r}')
 
     w = fp.weight
-    fp.A.data = a.to(dtype=w.dtype, device=w.device).contiguous()
-    fp.B.data = b.to(dtype=w.dtype, device=w.device).contiguous()
+    replace_data(fp.A, a.to(dtype=w.dtype, device=w.device).contiguous())
+    replace_data(fp.B, b.to(dtype=w.dtype, device=w.device).contiguous())
     _set_grads_none(fp.A, fp.B, w)
     if optimizer is not None:
         mapped = moments_against[0] if moments_against is not None else None

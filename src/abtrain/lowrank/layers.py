@@ -85,8 +85,23 @@ class LowRankWeight(nn.Module):
             saved = state_dict.get(prefix + name)
             param = getattr(self, name)
             if isinstance(saved, Tensor) and saved.shape != param.shape:
-                param.data = torch.empty(saved.shape, dtype=param.dtype, device=param.device)
+                replace_data(param, torch.empty(saved.shape, dtype=param.dtype, device=param.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def replace_data(param: nn.Parameter, data: Tensor) -> None:
+    """``param.data = data`` for data of any shape, also while an earlier step's graph is alive.
+
+    A leaf keeps one cached gradient accumulator while any graph that used it
+    lives (a training loop's ``loss`` variable holds the last step's), and that
+    accumulator remembers the old shape: the next backward would refuse the new
+    one. Assigning data of another dtype first is what makes ``set_data`` drop
+    the cached accumulator (it does so on a dtype or device change only).
+    """
+    if data.shape != param.shape:
+        other = torch.float32 if param.dtype == torch.float64 else torch.float64
+        param.data = torch.empty(0, dtype=other, device=data.device)
+    param.data = data
 
 
 @dataclass
