@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm import Communicator
 from abtrain.methods.ab import ABConfig, ABTraining
+from abtrain.methods.ab_config import PAPER
 from abtrain.topology import Topology
 from helpers import run_world
 
@@ -69,7 +70,9 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     comm = Communicator()
     torch.manual_seed(0)
     model = Net()
-    cfg = ABConfig(**{"warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0, **options})
+    # the paper's fp32 phases and with-stale sync, whose byte formulas these tests check
+    cfg = ABConfig(**{**PAPER, "warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0,
+                      **options})
     method = ABTraining(comm, topo, cfg)
     model = method.prepare(model)
     if plan:

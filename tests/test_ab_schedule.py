@@ -1,11 +1,15 @@
 """AB-training's schedule and its guards for real models, in one process (a DDP-wrapped model on gloo: test_ab.py)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from abtrain.comm import Communicator
+from abtrain.config import TrainConfig, read_config_file
 from abtrain.methods.ab import ABConfig, ABTraining, Schedule
+from abtrain.methods.ab_config import PAPER
 from abtrain.topology import Topology
 
 
@@ -21,8 +25,8 @@ def _phases(s: Schedule, total: int) -> list[tuple[str, int, int]]:
 
 
 @pytest.mark.parametrize("total", [60, 702, 2000, 45000])
-def test_default_fractions_scale_with_the_budget(total):
-    s = Schedule.from_config(ABConfig(), total)
+def test_paper_fractions_scale_with_the_budget(total):
+    s = Schedule.from_config(ABConfig(**PAPER), total)
     assert s.warmup == round(0.25 * total)
     assert s.cycle == max(2, round(0.06 * total))
     assert 1 <= s.rebound < s.cycle and s.rebound == max(1, round(0.1 * s.cycle))
@@ -34,6 +38,24 @@ def test_default_fractions_scale_with_the_budget(total):
     assert [start for p, start, _ in phases if p == "rebound"] == syncs
     assert all(end - start == s.rebound for p, start, end in phases if p == "rebound" and end < total)
     assert 10 <= s.syncs() <= 13
+
+
+@pytest.mark.parametrize("total", [60, 702, 2000, 45000])
+def test_default_fractions_scale_with_the_budget(total):
+    s = Schedule.from_config(ABConfig(), total)
+    assert s.warmup == round(0.5 * total) and s.cycle == max(2, round(0.06 * total))
+    assert s.rebound == 0 and s.lr_rebound == 0  # the next decomposition follows each sync at once
+    phases = _phases(s, total)
+    assert phases == [("warmup", 0, s.warmup), ("ab", s.warmup, total)]
+    assert s.syncs() == len([k for k in range(1, total // s.cycle + 1) if s.warmup < k * s.cycle < total])
+    assert 6 <= s.syncs() <= 9
+
+
+def test_the_paper_preset_file_is_the_paper_dict_and_differs_from_every_default():
+    raw = read_config_file(str(Path(__file__).parents[1] / "examples" / "ab-paper.toml"))
+    cfg = TrainConfig.from_dict(raw)
+    assert cfg.method == "ab" and cfg.ab == ABConfig(**PAPER)
+    assert all(getattr(ABConfig(), k) != v for k, v in PAPER.items())  # PAPER names only what abtrain changed
 
 
 def test_absolute_steps_override_fractions_and_need_no_budget():

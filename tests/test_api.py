@@ -125,7 +125,7 @@ def test_last_lr_is_the_lr_applied():
 def test_quiet_and_printed_once(capsys):
     abtrain.setup("ab", total_steps=40, sync="only-b")
     out = capsys.readouterr().out
-    assert out.count("AB-training schedule: warm-up 10 steps") == 1
+    assert out.count("AB-training schedule: warm-up 20 steps") == 1  # half of the 40 steps
     abtrain.setup("ab", total_steps=40, sync="only-b", quiet=True)
     abtrain.setup("ab", sync="only-b", warmup_steps=4, cycle_steps=4, quiet=True)  # planned while built
     assert capsys.readouterr().out == ""

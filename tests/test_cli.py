@@ -208,8 +208,8 @@ def test_ab_run_dir_is_plain_versioned_and_repeatable(tmp_path, fashion_dir):
 
     out = tmp_path / "ab"
     p = run(["train", "--method", "ab", "--workers", "2", "--data-dir", str(fashion_dir), "--model", "mlp",
-             "--out", str(out), "--eval-every", "3", "--ab-warmup-steps", "2", "--ab-cycle-steps", "3", *TINY,
-             "--steps", "8"])
+             "--out", str(out), "--eval-every", "3", "--ab-warmup-steps", "2", "--ab-cycle-steps", "3",
+             "--ab-lr-rebound-steps", "2", *TINY, "--steps", "8"])
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("one node of 2 workers: 2 groups of 1 (--group-size to choose)") == 1
     r = json.loads((out / "results.json").read_text())

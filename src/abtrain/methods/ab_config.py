@@ -18,16 +18,24 @@ STATE_POLICIES = ("keep", "map", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
 
+#: The paper's choices where abtrain's defaults differ (those were measured to send fewer bytes between nodes
+#: at the same or better accuracy: docs/benchmarks.md). ``ABConfig(**PAPER)``, ``abtrain.setup("ab", **PAPER)``,
+#: or ``abtrain train --config examples/ab-paper.toml`` trains AB-training as published.
+PAPER: dict[str, Any] = {
+    "warmup_fraction": 0.25, "rebound_fraction": 0.1, "lr_rebound_fraction": 0.3, "sync": "with-stale",
+    "dense_comm": "fp32", "powersgd_rank": 4, "powersgd_dtype": "fp32", "sync_dtype": "fp32", "optimizer_state": "keep",
+}
+
 
 @dataclass
 class ABConfig(Options):
     """Options of AB-training; the CLI exposes each as ``--ab-<name>``."""
 
     section = "ab"
-    warmup_fraction: float = opt(0.25, "share of the run's steps trained full-rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
-    cycle_fraction: float = opt(0.06, "sync period K as a share of the run's steps (0.06: about 12 syncs after a 25 %% warm-up); --ab-cycle-steps overrides it")
-    rebound_fraction: float = opt(0.1, "full-rank DP steps after each sync (F) as a share of K; --ab-rebound-steps overrides it")
-    lr_rebound_fraction: float = opt(0.3, "learning-rate ramp after each phase switch (R) as a share of K (0 disables); --ab-lr-rebound-steps overrides it")
+    warmup_fraction: float = opt(0.5, "share of the run's steps trained full-rank before the first decomposition (T_w; the paper: 0.25); --ab-warmup-steps overrides it")
+    cycle_fraction: float = opt(0.06, "sync period K as a share of the run's steps (0.06: about 8 syncs after a 50 %% warm-up); --ab-cycle-steps overrides it")
+    rebound_fraction: float = opt(0.0, "full-rank DP steps after each sync (F) as a share of K (the paper: 0.1; 0: the next decomposition follows the sync at once); --ab-rebound-steps overrides it")
+    lr_rebound_fraction: float = opt(0.0, "learning-rate ramp after each phase switch (R) as a share of K (the paper: 0.3; 0 disables); --ab-lr-rebound-steps overrides it")
     warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
     cycle_steps: int | None = opt(None, "steps per cycle K, instead of the fraction: a sync at every multiple of K after warm-up")
     rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F < K), instead of the fraction; 0 re-decomposes right after the sync")
@@ -39,19 +47,19 @@ class ABConfig(Options):
     min_rank: int = opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
     min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
     truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
-    sync: str = opt("with-stale", "sync mode", choices=SYNC_MODES)
+    sync: str = opt("only-learned", "sync mode (the paper: with-stale)", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
     independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
-    optimizer_state: str = opt("keep", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
+    optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
-    dense_comm: str = opt("fp32", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
-    powersgd_rank: int = opt(4, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
-    powersgd_dtype: str = opt("fp32", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=SYNC_DTYPES)
-    sync_dtype: str = opt("fp32", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
+    dense_comm: str = opt("powersgd", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
+    powersgd_rank: int = opt(8, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
+    powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=SYNC_DTYPES)
+    sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
