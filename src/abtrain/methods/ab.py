@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import lowrank
 from ..comm import Communicator
 from ..grad_buckets import OverlappedAverage
-from ..reducers import build_reducer
+from ..reducers import WIRE_DTYPES, build_reducer
 from ..topology import Topology
 from .ab_config import ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
@@ -63,7 +63,7 @@ class ABTraining(Method):
         self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank,
                                    powersgd_dtype=self.cfg.powersgd_dtype)
         self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
-        self.wire_dtype = torch.bfloat16 if self.cfg.sync_dtype == "bf16" else None
+        self.wire_dtype = WIRE_DTYPES[self.cfg.sync_dtype]
         num_a_groups = max(1, topo.num_groups // 2)
         self.role = "B" if only_b else ("A" if topo.group_index < num_a_groups else "B")
         self.a_ranks = list(range(num_a_groups * topo.group_size))
@@ -266,7 +266,7 @@ class ABTraining(Method):
             trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
                                   split=self.cfg.split, trained=trained, optimizer=optimizer,
-                                  moments_against=self._moments_against())
+                                  moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
@@ -287,8 +287,9 @@ class ABTraining(Method):
                 self.say("  " + line)
             self._said_lines = lines
 
-    def _moments_against(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """For optimizer_state="map": the factor each layer trained, and the frozen one it was trained against."""
+    def _take_frozen(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """For optimizer_state="map": the factor each layer trained and the frozen one it was trained against,
+        handed to the decomposition that follows the sync and forgotten here."""
         role = self._trained_role()
         against = {name: (role, frozen) for name, frozen in self._frozen.items()}
         self._frozen = {}
@@ -350,7 +351,7 @@ class ABTraining(Method):
             trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(low, [ranks[fp.name] for fp in low], [lowrank.svd(fp) for fp in low],
                                   min_compression=None, split=self.cfg.split, trained=trained, optimizer=optimizer,
-                                  moments_against=self._moments_against())
+                                  moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
         self._agreed_at = self.t

@@ -7,13 +7,12 @@ from typing import Any
 
 
 from .. import lowrank
-from ..reducers import DENSE_REDUCERS
+from ..reducers import DENSE_REDUCERS, WIRE_DTYPES
 from ..validate import Options, opt
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
 SPLITS = ("sqrt", "sigma")
-SYNC_DTYPES = ("fp32", "bf16")
 STATE_POLICIES = ("keep", "map", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
@@ -58,8 +57,8 @@ class ABConfig(Options):
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("powersgd", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
     powersgd_rank: int = opt(8, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
-    powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=SYNC_DTYPES)
-    sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); every worker still ends the sync with the same model", choices=SYNC_DTYPES)
+    powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=tuple(WIRE_DTYPES))
+    sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
