@@ -266,7 +266,7 @@ class ABTraining(Method):
             trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
                                   split=self.cfg.split, trained=trained, optimizer=optimizer,
-                                  moments_against=self._take_frozen())
+                                  moments_against=self._take_frozen(), seed_from_weight=self._seed_role())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
@@ -286,6 +286,10 @@ class ABTraining(Method):
             for line in lines:
                 self.say("  " + line)
             self._said_lines = lines
+
+    def _seed_role(self) -> str | None:
+        """For optimizer_state="map": the factor whose empty state is seeded from W's at a decomposition."""
+        return self._trained_role() if self.cfg.optimizer_state == "map" else None
 
     def _take_frozen(self) -> dict[str, tuple[str, torch.Tensor]]:
         """For optimizer_state="map": the factor each layer trained and the frozen one it was trained against,
