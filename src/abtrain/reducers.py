@@ -127,14 +127,14 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
 class PowerSGDReducer(Reducer):
     """Rank-``rank`` PowerSGD; a gradient viewed as the m×n matrix is compressed when (m+n)·r·rate < m·n.
 
-    Per call: add each gradient's error memory; sum-average the uncompressed
-    tensors (one collective); P = M·Q summed (one collective) and
-    orthonormalised; Q = Mᵀ·P averaged (one collective); M ≈ P·Qᵀ; the error
+    Per call: add each gradient's error memory; P = M·Q summed and the
+    uncompressed tensors averaged (one collective), the Ps orthonormalised;
+    Q = Mᵀ·P averaged (one collective); M ≈ P·Qᵀ; the error
     memory keeps what this worker's (corrected) gradient lost. Random Qs come
     from ``seed`` through one NumPy stream, one draw per new set of tensors
     (the same on every worker); with ``warm_start`` each Q starts from the last one.
 
-    ``wire_dtype`` (bfloat16) casts each of the three buffers for its all-reduce
+    ``wire_dtype`` (bfloat16) casts each buffer for its all-reduce
     and back; averages divide before the sum, as :class:`BF16AllReduce` does.
     The Ps are orthonormalised and M ≈ P·Qᵀ formed in the gradients' dtype from
     what arrived, so the rounding the narrow type costs is part of what the
@@ -201,7 +201,12 @@ class PowerSGDReducer(Reducer):
             by_shape.setdefault(item[1].shape, []).append(item)
         low = [item for same in by_shape.values() for item in same]
         dtype, device = grads[0][1].dtype, grads[0][1].device
-        p_flat = torch.empty(sum(m.shape[1] * r for _, m, r in low), dtype=dtype, device=device)
+        # The uncompressed tensors travel in the Ps' collective (one round of messages instead of two):
+        # ``first`` is [every P | the uncompressed tensors of the Ps' dtype].
+        riders = [g for g in plain if g.dtype == dtype] if low else []
+        p_numel = sum(m.shape[1] * r for _, m, r in low)
+        first = torch.empty(p_numel + sum(g.numel() for g in riders), dtype=dtype, device=device)
+        p_flat = first[:p_numel]
         q_flat = torch.empty(sum(m.shape[2] * r for _, m, r in low), dtype=dtype, device=device)
         ps, qs, p_at, q_at = [], [], 0, 0
         for _, m, r in low:
@@ -223,10 +228,11 @@ class PowerSGDReducer(Reducer):
                 orthogonalize(q, self.epsilon)
         for (_, m, _), q, p in zip(low, qs, ps):
             torch.bmm(m, q, out=p)
-        if plain:
-            self.comm.all_reduce_tensors(plain, group, average=True, wire_dtype=self.wire_dtype)
+        alone = [g for g in plain if not any(g is rider for rider in riders)]
+        if alone:
+            self.comm.all_reduce_tensors(alone, group, average=True, wire_dtype=self.wire_dtype)
         if low:
-            self._all_reduce(p_flat, group, average=False)  # a sum: the Ps are orthonormalised next
+            self._reduce_first(first, p_numel, riders, group)
             for p in ps:
                 orthogonalize(p, self.epsilon)
             for (_, m, _), p, q in zip(low, ps, qs):
@@ -239,6 +245,25 @@ class PowerSGDReducer(Reducer):
         if self.error_feedback:
             for (name, g), before in zip(grads, sent):
                 self.errors[name] = before - g  # what this worker's gradient lost in the reduction
+
+    def _reduce_first(self, first: torch.Tensor, p_numel: int, riders: list[torch.Tensor], group: Group) -> None:
+        """Sum the Ps (orthonormalised next) and average the uncompressed ``riders`` in one collective.
+
+        The averages divide as a collective of their own would: after the sum in
+        full precision, before it on a narrow wire (against overflow).
+        """
+        offset = p_numel
+        for g in riders:
+            first[offset:offset + g.numel()].copy_(g.reshape(-1))
+            offset += g.numel()
+        if self.wire_dtype is None:
+            self.comm.all_reduce(first, group)
+            first[p_numel:].div_(group.size)
+        else:
+            sent = first.to(self.wire_dtype)
+            sent[p_numel:].div_(group.size)
+            first.copy_(self.comm.all_reduce(sent, group))
+        _unpack(first[p_numel:], riders)
 
     def _all_reduce(self, flat: torch.Tensor, group: Group, average: bool) -> None:
         """Sum (or average) ``flat`` in place over ``group``, sent as :attr:`wire_dtype` when one is set."""

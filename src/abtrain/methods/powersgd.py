@@ -5,10 +5,15 @@ Distributed Optimization" (NeurIPS 2019), with the arithmetic of torch's DDP
 communication hook (``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``,
 ``PowerSGDState`` and ``powerSGD_hook``, without the optional same-shape
 batching): error feedback, warm start, seeded random Qs, the same
-compression rule, orthogonalisation and order of operations, so the same bits.
+compression rule, orthogonalisation and order of operations. The one
+difference: the uncompressed tensors ride in the Ps' all-reduce instead of one
+of their own (two collectives per bucket instead of three, the same elements).
+Each element is still summed and then divided as there, so two workers get
+torch's bits (the test compares them); with more, a sum over the longer buffer may
+add in another order and round differently.
 The math is :class:`~abtrain.reducers.PowerSGDReducer`, handed each DDP bucket by
-:class:`~abtrain.ddp_hook.ReducerHook`; its three all-reduces (uncompressed
-tensors, the Ps, the Qs) go through the communicator, so the ledger holds, per
+:class:`~abtrain.ddp_hook.ReducerHook`; its two all-reduces (the Ps with the
+uncompressed tensors, the Qs) go through the communicator, so the ledger holds, per
 compressed step, exactly the ``numel_after_compression`` elements: the
 uncompressed tensors plus every P and Q. The first ``start_iter`` steps are
 plain averaged all-reduces of the buckets (phase ``warmup``); compressed steps
