@@ -137,6 +137,9 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "ranks": ({"tau": 0.5}, "adamw", STEPS, False),
     "only-learned": ({"rank_fraction": 0.25, "sync": "only-learned"}, "sgd", T_W + K, False),
     "map": ({"tau": 0.5, "optimizer_state": "map"}, "adamw", STEPS, False),
+    # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
+    "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
+                  "sgd", 3 * K, False),
     "full": ({"rank_fraction": 0.25, "sync": "full"}, "sgd", T_W + K, False),
     "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
     "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
@@ -308,6 +311,36 @@ def test_mapped_state_seeds_the_factors_from_w_at_the_first_decomposition(runs):
             assert first["steps_taken"][name] == T_W  # Adam's bias correction goes on from W's count
         after = next(s for s in o["steps"] if s["t"] == T_W + 1)
         assert all(v == T_W + 1 for v in after["steps_taken"].values())
+
+
+def test_bf16_sync_leaves_one_model_and_rounds_only_the_change(runs):
+    """A bfloat16 sync: every worker ends it with the same model, its bytes are 2 per element, and the rounding
+    falls on each factor's change since the phase began, far below rounding the factors themselves."""
+    outs = runs["bf16-sync"]
+    assert [s["step"] for s in outs[0]["syncs"]] == [K, 2 * K, 3 * K]
+    for i in range(3):
+        ref = _tensors(outs[0]["syncs"][i]["after"])
+        for o in outs[1:]:
+            assert all(torch.equal(v, ref[k]) for k, v in _tensors(o["syncs"][i]["after"]).items()), i
+    bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    ratios = []
+    for i in range(3):
+        sync = [o["syncs"][i] for o in outs]
+        for name in sync[0]["before"]:
+            a, b = sync[0]["before"][name][0].double(), sync[2]["before"][name][1].double()  # the groups' factors
+            exact = a @ b
+            got = sync[0]["after"]["W"][name].double().reshape(exact.shape)
+            rounded = bf16(a) @ bf16(b)  # what a sync of the values in bfloat16 would give
+            ratios.append(float((got - exact).abs().max() / (rounded - exact).abs().max()))
+    assert max(ratios) < 0.5, ratios
+    o = outs[0]
+    expected = 0
+    for sync in o["syncs"]:
+        factors = sum(a.numel() + b.numel() for a, b in sync["before"].values())
+        rest = sum(v.numel() for v in sync["before_other"].values())
+        expected += 2 * (factors + 2 * rest + o["float_buffers"])  # bfloat16: 2 bytes an element
+    expected += 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])  # int64 ranks
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == expected
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])
