@@ -452,54 +452,6 @@ def test_map_state_of_a_mere_reparametrisation_changes_adam_moments_only_by_sign
     assert torch.equal(torch.as_tensor(after["step"]), torch.as_tensor(before["step"]))
 
 
-@pytest.mark.parametrize("trained", ["A", "B"])
-def test_seed_state_gives_the_factor_the_momentum_its_own_gradient_would_have(trained):
-    """At the first decomposition W's momentum, seen through the new factors, is what the factor's own
-    gradient at that point is: for A, dL/dA = G·Bᵀ; for B, Aᵀ·G."""
-    torch.manual_seed(0)
-    layer = nn.Linear(16, 32)
-    (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
-    opt = torch.optim.SGD([fp.weight, fp.A, fp.B, layer.bias], lr=0.0, momentum=0.9)  # lr 0: W does not move
-    x, target = torch.randn(8, 16), torch.randn(8, 32)
-    (0.5 * (layer(x) - target).pow(2).sum()).backward()
-    opt.step()  # W's momentum buffer is its gradient G
-    lr.decompose(fp, None, optimizer=opt, seed_from_weight=trained)  # full rank: A·B is W
-    lr.set_trainable([fp], trained)
-    opt.zero_grad()
-    (0.5 * (layer(x) - target).pow(2).sum()).backward()
-    factor = fp.A if trained == "A" else fp.B
-    assert torch.allclose(opt.state[factor]["momentum_buffer"], factor.grad, atol=1e-4, rtol=1e-4)
-    assert not opt.state.get(fp.B if trained == "A" else fp.A)  # the frozen factor trains nowhere here
-
-
-def test_seed_state_carries_adams_step_and_second_moments():
-    torch.manual_seed(1)
-    layer = nn.Linear(6, 5, bias=False)
-    (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
-    opt = torch.optim.AdamW([fp.weight, fp.A], lr=0.0)
-    # one entry per row of W's gradient: the squared map is exact when the entries do not mix
-    mask = torch.zeros(5, 6)
-    mask[torch.arange(5), torch.tensor([0, 2, 2, 5, 1])] = torch.randn(5)
-    for _ in range(3):
-        opt.zero_grad()
-        (layer.weight * mask).sum().backward()
-        opt.step()
-    lr.decompose(fp, None, optimizer=opt, seed_from_weight="A")
-    lr.set_trainable([fp], "A")
-    opt.zero_grad()
-    (layer.weight * mask).sum().backward()
-    state, g = opt.state[fp.A], fp.A.grad
-    assert float(state["step"]) == 3.0  # bias correction goes on where W's was
-    beta1, beta2 = opt.param_groups[0]["betas"]
-    scale1, scale2 = 1 - beta1 ** 3, 1 - beta2 ** 3  # three equal gradients: exp_avg = (1 - β₁³)·g
-    assert torch.allclose(state["exp_avg"], scale1 * g, atol=1e-6)
-    assert torch.allclose(state["exp_avg_sq"], scale2 * g * g, atol=1e-7)
-    before = {k: v.clone() for k, v in state.items()}
-    assert not lr.seed_state(opt, fp, factor="A")  # a factor with state keeps it
-    assert all(torch.equal(before[k], v) for k, v in opt.state[fp.A].items())
-    opt.step()  # the seeded state is one AdamW takes
-
-
 def test_a_new_rank_trains_while_the_last_steps_graph_is_still_alive():
     """A loop's ``loss`` keeps the last step's graph; a truncation right after it (no rebound) must not break backward."""
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ state, initialisation), ``report`` (counts, ratios, per-layer lines, the output 
 
 
 from .decompose import (SVD, SVDError, decompose, decompose_all, map_state, ortho_sigma_init, recompose,
-                        reset_state, resize_state, seed_state, svd)
+                        reset_state, resize_state, svd)
 from .layers import (DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, plain_state_dict, prepare_model,
                      set_mode, set_trainable)
 from .ranks import RankRule, factors_compress
@@ -58,7 +58,6 @@ __all__ = [
     "recompose",
     "reset_state",
     "resize_state",
-    "seed_state",
     "set_mode",
     "set_trainable",
     "svd",

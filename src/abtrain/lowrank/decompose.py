@@ -58,7 +58,6 @@ def decompose(
     trained: Factor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     moments_against: tuple[Factor, Tensor] | None = None,
-    seed_from_weight: Factor | None = None,
 ) -> None:
     """Cut the SVD of W (``usv`` if already computed, else :func:`svd`) at ``rank`` (None: full rank) into A, B.
 
@@ -68,9 +67,7 @@ def decompose(
     the state of A and B is resized to the new rank (:func:`resize_state`); with
     ``moments_against`` = (factor trained, the frozen factor it was trained against)
     the trained factor's state is instead mapped into the new factors' basis
-    (:func:`map_state`). With ``seed_from_weight`` = the factor this worker will
-    train, a factor that has no optimizer state yet gets W's, seen through the new
-    factors (:func:`seed_state`). The layer switches to lowrank mode.
+    (:func:`map_state`). The layer switches to lowrank mode.
     """
     u, s, vh = usv if usv is not None else svd(fp)
     full = int(s.numel())
@@ -99,8 +96,6 @@ def decompose(
         mapped = moments_against[0] if moments_against is not None else None
         if mapped is not None:
             map_state(optimizer, fp, factor=mapped, frozen=moments_against[1])
-        elif seed_from_weight is not None and seed_state(optimizer, fp, factor=seed_from_weight):
-            mapped = seed_from_weight
         for name, factor in (("A", fp.A), ("B", fp.B)):
             if name != mapped:
                 resize_state(optimizer, factor, factor=name, new_rank=r)
@@ -118,7 +113,6 @@ def decompose_all(
     trained: Factor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     moments_against: dict[str, tuple[Factor, Tensor]] | None = None,
-    seed_from_weight: Factor | None = None,
 ) -> list[bool]:
     """Decompose each record at its (already agreed) rank where it pays; return which were.
 
@@ -126,8 +120,7 @@ def decompose_all(
     recomposed if needed and stays in full mode for this AB phase. Pass
     ``min_compression=None`` to factorise everything (the first, untruncated
     decomposition: full rank never pays). ``svds`` defaults to fresh :func:`svd` calls.
-    ``moments_against`` (by layer name) is :func:`decompose`'s, for the layers it names;
-    ``seed_from_weight`` is :func:`decompose`'s, for every layer.
+    ``moments_against`` (by layer name) is :func:`decompose`'s, for the layers it names.
     """
     if len(ranks) != len(records) or (svds is not None and len(svds) != len(records)):
         raise ValueError("records, ranks and svds must have the same length")
@@ -146,7 +139,7 @@ def decompose_all(
             done.append(False)
             continue
         decompose(fp, r, usv=usv, split=split, trained=trained, optimizer=optimizer,
-                  moments_against=(moments_against or {}).get(fp.name), seed_from_weight=seed_from_weight)
+                  moments_against=(moments_against or {}).get(fp.name))
         done.append(True)
     return done
 
@@ -237,44 +230,6 @@ def map_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: 
             v = value.to(torch.float32)
             state[key] = (v @ op if factor == "A" else op @ v).to(value.dtype)
     resize_state(optimizer, param, factor=factor, new_rank=fp.rank)  # state of any other shape
-
-
-@torch.no_grad()
-def seed_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: Factor) -> bool:
-    """Give trained ``factor``, which has no optimizer state yet, the state of W seen through the new factors.
-
-    The gradient of A in W = A·B is G·Bᵀ (of B: Aᵀ·G), so W's first moments map
-    exactly: M_A = M_W·Bᵀ (M_B = Aᵀ·M_W). Second moments go through the
-    element-wise square of the same map (exact when the gradient's entries are
-    uncorrelated), and Adam's ``step`` is W's, so bias correction goes on where it
-    was. Without this a factor starts with empty moments, and Adam's first steps,
-    normalised by nothing yet, move every entry by about the full learning rate.
-    Returns whether the state was seeded: not when the factor already has state,
-    when W has none, or when W's state holds anything this cannot map.
-    """
-    param = fp.A if factor == "A" else fp.B
-    source = optimizer.state.get(fp.weight)
-    if optimizer.state.get(param) or not source:
-        return False
-    mapped: dict[str, Tensor] = {}
-    for key, value in source.items():
-        if not isinstance(value, Tensor):
-            return False
-        if value.ndim == 0:
-            mapped[key] = value.clone()
-            continue
-        if key not in FIRST_MOMENTS + SECOND_MOMENTS or value.numel() != fp.m * fp.n:
-            return False
-        v = value.reshape(fp.m, fp.n).to(torch.float32)
-        if factor == "A":
-            op = fp.B.detach().to(torch.float32).T  # n×r
-            out = v @ (op if key in FIRST_MOMENTS else op * op)
-        else:
-            op = fp.A.detach().to(torch.float32).T  # r×m
-            out = (op if key in FIRST_MOMENTS else op * op) @ v
-        mapped[key] = out.to(dtype=value.dtype, device=param.device).contiguous()
-    optimizer.state[param] = mapped
-    return True
 
 
 def reset_state(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:

@@ -268,7 +268,7 @@ class ABTraining(Method):
             trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
                                   split=self.cfg.split, trained=trained, optimizer=optimizer,
-                                  moments_against=self._take_frozen(), seed_from_weight=self._seed_role())
+                                  moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
         self._take_reference()
@@ -289,10 +289,6 @@ class ABTraining(Method):
             for line in lines:
                 self.say("  " + line)
             self._said_lines = lines
-
-    def _seed_role(self) -> str | None:
-        """For optimizer_state="map": the factor whose empty state is seeded from W's at a decomposition."""
-        return self._trained_role() if self.cfg.optimizer_state == "map" else None
 
     def _synced_params(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters a sync averages as they are (factors, full-rank parameters), by name; the sync's other
