@@ -33,7 +33,7 @@ from ..reducers import WIRE_DTYPES, build_reducer
 from ..topology import Topology
 from .ab_config import ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
-from .ab_sync import average_models, from_reference, full_rank_tensors
+from .ab_sync import average_models, full_rank_tensors
 from .base import Method, optimizer_moments
 from .registry import MethodSpec, register
 
@@ -87,8 +87,6 @@ class ABTraining(Method):
         self.ratio: float | None = None
         # optimizer_state="map": this worker's frozen factors as they were at the last sync, by layer
         self._frozen: dict[str, torch.Tensor] = {}
-        # a narrow sync wire: what every worker started this AB phase from, by parameter name (the sync sends changes)
-        self._reference: dict[str, torch.Tensor] = {}
         if not self.cfg.needs_budget:
             self.set_total_steps(None)
 
@@ -271,7 +269,6 @@ class ABTraining(Method):
                                   moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
-        self._take_reference()
         self.ratio = lowrank.compression_ratio(self.module, self.records)
         self.ranks.append({"step": self.t, "layers": {fp.name: (fp.rank if fp.mode == "lowrank" else None)
                                                       for fp in self.records},
@@ -289,20 +286,6 @@ class ABTraining(Method):
             for line in lines:
                 self.say("  " + line)
             self._said_lines = lines
-
-    def _synced_params(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters a sync averages as they are (factors, full-rank parameters), by name; the sync's other
-        tensors (optimizer moments, buffers) and ``full`` mode's products of the factors are not among them."""
-        low = {id(t) for fp in self.records if fp.mode == "lowrank" for t in (fp.A, fp.B)}
-        sent = {id(t) for t in full_rank_tensors(self.module, self.records)}
-        if self.cfg.sync != "full":
-            sent |= low
-        return [(name, p) for name, p in self.module.named_parameters() if id(p) in sent]
-
-    def _take_reference(self) -> None:
-        """On a narrow sync wire, remember the model this AB phase starts from (the same on every worker)."""
-        if self.wire_dtype is not None:
-            self._reference = {name: p.detach().clone() for name, p in self._synced_params()}
 
     def _take_frozen(self) -> dict[str, tuple[str, torch.Tensor]]:
         """For optimizer_state="map": the factor each layer trained and the frozen one it was trained against,
@@ -327,13 +310,9 @@ class ABTraining(Method):
             # carry group-specific optimizer moments: average them too, so that the
             # rebound that follows is exact data parallelism with one model everywhere.
             rest = full + buffers + optimizer_moments(optimizer, full)
-            changes = [(p, self._reference[name]) for name, p in self._synced_params()
-                       if name in self._reference and self._reference[name].shape == p.shape]
-            with from_reference(changes):
-                average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
-                               in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
-                               one_group=self.train_group is self.topo.world and not self.cfg.independent)
-            self._reference = {}
+            average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
+                           in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
+                           one_group=self.train_group is self.topo.world and not self.cfg.independent)
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
@@ -375,7 +354,6 @@ class ABTraining(Method):
                                   moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
-        self._take_reference()
         self._agreed_at = self.t
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
@@ -402,8 +380,7 @@ class ABTraining(Method):
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
-                "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
-                "reference": dict(self._reference)}
+                "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
@@ -421,7 +398,6 @@ class ABTraining(Method):
         self.ratio = state["ratio"]
         self.dense.load_state_dict(state["dense"])
         self._frozen = dict(state.get("frozen", {}))
-        self._reference = dict(state.get("reference", {}))
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)

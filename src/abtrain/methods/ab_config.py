@@ -58,7 +58,7 @@ class ABConfig(Options):
     dense_comm: str = opt("powersgd", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
     powersgd_rank: int = opt(8, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=tuple(WIRE_DTYPES))
-    sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); in bf16 the factors and full-rank parameters travel as their change since the AB phase began; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
+    sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from .. import lowrank
 from ..comm import Communicator, Group
 
@@ -63,21 +60,3 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
         fp.B.copy_(b)
     for t, mean in zip(rest, contrib[2 * len(low):]):
         t.copy_(mean)
-
-
-@contextmanager
-def from_reference(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """Inside the block each tensor holds its change since its reference; the reference is added back after.
-
-    The references are the same on every worker (the model every worker started
-    the AB phase from), so averaging the changes and adding the reference gives
-    every worker the same average as averaging the values. On a bfloat16 wire the
-    rounding then falls on the change of one AB phase, not on the whole weight.
-    """
-    with torch.no_grad():
-        for t, ref in pairs:
-            t.sub_(ref)
-    yield
-    with torch.no_grad():
-        for t, ref in pairs:
-            t.add_(ref)
