@@ -132,6 +132,9 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "ranks": ({"tau": 0.5}, "adamw", STEPS, False),
     "only-learned": ({"rank_fraction": 0.25, "sync": "only-learned"}, "sgd", T_W + K, False),
     "map": ({"tau": 0.5, "optimizer_state": "map"}, "adamw", STEPS, False),
+    # σ in one factor: every group must split W the same way for the sync's Ā·B̄ to mean W
+    "sigma": ({"rank_fraction": 0.25, "sync": "only-learned", "split": "sigma", "rebound_steps": 0},
+              "sgd", 2 * K, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -315,6 +318,27 @@ def test_bf16_sync_leaves_one_model_and_sends_two_bytes_an_element(runs):
         expected += 2 * (factors + 2 * rest + o["float_buffers"])  # bfloat16: 2 bytes an element
     expected += 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])  # int64 ranks
     assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == expected
+
+
+def test_sigma_split_is_one_factorisation_on_every_worker(runs):
+    """split="sigma": after every decomposition all workers hold the same A = U·σ and B = Vᵀ (A- and B-groups
+    alike), so the sync's product of one group's A and another group's B is W, not U·σ²·Vᵀ."""
+    outs = runs["sigma"]
+    decomposed = [T_W, K]  # the warm-up's end; the sync at K is followed at once by the next decomposition
+    for t in decomposed:
+        after = [next(s for s in o["steps"] if s["t"] == t)["after"] for o in outs]
+        for name in after[0]["A"]:
+            a, b = after[0]["A"][name], after[0]["B"][name]
+            for other in after[1:]:
+                assert torch.equal(other["A"][name], a) and torch.equal(other["B"][name], b), (t, name)
+            torch.testing.assert_close(b @ b.T, torch.eye(b.shape[0]), rtol=0, atol=1e-4)  # σ is all in A
+    for o in outs:
+        sync = o["syncs"][0]
+        assert sync["step"] == K
+    for name in outs[0]["syncs"][0]["before"]:
+        a, b = outs[0]["syncs"][0]["before"][name][0], outs[2]["syncs"][0]["before"][name][1]
+        got = outs[0]["syncs"][0]["after"]["W"][name].reshape(a.shape[0], -1)
+        torch.testing.assert_close(got, a @ b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])

@@ -160,25 +160,25 @@ def test_full_rank_decompose_reconstructs(cls):
         assert torch.equal(fp.weight, (fp.A @ fp.B).reshape(fp.shape))
 
 
-def test_sigma_split_puts_sigma_in_the_trained_factor():
+def test_sigma_split_puts_sigma_in_the_named_factor():
     model = _build(MLP)
     fp = lr.prepare_model(model)[0]
     u, s, vh = torch.linalg.svd(fp.weight.detach(), full_matrices=False)
     r = 5
     truncated = u[:, :r] @ torch.diag(s[:r]) @ vh[:r]
-    lr.decompose(fp, r, split="sigma", trained="A")
+    lr.decompose(fp, r, split="sigma", sigma_in="A")
     # Columns of A carry σ (norm σ_i); rows of B are orthonormal.
     torch.testing.assert_close(fp.A.norm(dim=0), s[:r], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fp.B @ fp.B.T, torch.eye(r), rtol=0, atol=1e-5)
     torch.testing.assert_close(fp.A @ fp.B, truncated, rtol=0, atol=1e-5)
     lr.recompose(fp)
     fp.weight.data.copy_(u @ torch.diag(s) @ vh)
-    lr.decompose(fp, r, split="sigma", trained="B")
+    lr.decompose(fp, r, split="sigma", sigma_in="B")
     torch.testing.assert_close(fp.B.norm(dim=1), s[:r], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fp.A.T @ fp.A, torch.eye(r), rtol=0, atol=1e-5)
     torch.testing.assert_close(fp.A @ fp.B, truncated, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="trained"):
-        lr.decompose(fp, r, split="sigma")
+    with pytest.raises(ValueError, match="sigma_in"):
+        lr.decompose(fp, r, split="sigma", sigma_in="C")
 
 
 def test_sqrt_split_balances_the_factors():

@@ -55,14 +55,14 @@ def decompose(
     *,
     usv: SVD | None = None,
     split: Split = "sqrt",
-    trained: Factor | None = None,
+    sigma_in: Factor = "A",
     optimizer: torch.optim.Optimizer | None = None,
     moments_against: tuple[Factor, Tensor] | None = None,
 ) -> None:
     """Cut the SVD of W (``usv`` if already computed, else :func:`svd`) at ``rank`` (None: full rank) into A, B.
 
-    split="sqrt": A = U·√σ, B = √σ·Vᵀ. split="sigma": σ goes to the ``trained``
-    factor (A = U·σ, B = Vᵀ for "A"; A = U, B = σ·Vᵀ for "B"). A and B keep their
+    split="sqrt": A = U·√σ, B = √σ·Vᵀ. split="sigma": σ goes to factor ``sigma_in``
+    (A = U·σ, B = Vᵀ for "A"; A = U, B = σ·Vᵀ for "B"). A and B keep their
     Parameter identity; their grads are cleared, W's too. If ``optimizer`` is given,
     the state of A and B is resized to the new rank (:func:`resize_state`); with
     ``moments_against`` = (factor trained, the frozen factor it was trained against)
@@ -79,12 +79,12 @@ def decompose(
         a = u[:, :r] * root
         b = root[:, None] * vh[:r]
     elif split == "sigma":
-        if trained == "A":
+        if sigma_in == "A":
             a, b = u[:, :r] * s[:r], vh[:r]
-        elif trained == "B":
+        elif sigma_in == "B":
             a, b = u[:, :r], s[:r, None] * vh[:r]
         else:
-            raise ValueError(f'split="sigma" needs trained="A" or trained="B", got {trained!r}')
+            raise ValueError(f'split="sigma" needs sigma_in="A" or sigma_in="B", got {sigma_in!r}')
     else:
         raise ValueError(f'split must be "sqrt" or "sigma", got {split!r}')
 
@@ -110,7 +110,7 @@ def decompose_all(
     *,
     min_compression: float | None = 1.0,
     split: Split = "sqrt",
-    trained: Factor | None = None,
+    sigma_in: Factor = "A",
     optimizer: torch.optim.Optimizer | None = None,
     moments_against: dict[str, tuple[Factor, Tensor]] | None = None,
 ) -> list[bool]:
@@ -138,7 +138,7 @@ def decompose_all(
             )
             done.append(False)
             continue
-        decompose(fp, r, usv=usv, split=split, trained=trained, optimizer=optimizer,
+        decompose(fp, r, usv=usv, split=split, sigma_in=sigma_in, optimizer=optimizer,
                   moments_against=(moments_against or {}).get(fp.name))
         done.append(True)
     return done

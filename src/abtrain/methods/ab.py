@@ -241,6 +241,15 @@ class ABTraining(Method):
                 fp.param.note = "produces the model's output"
         lowrank.set_trainable(self.records, self._trained_role())
 
+    def _sigma_in(self) -> str:
+        """split="sigma": the factor that holds the singular values, the same on every worker.
+
+        The sync multiplies one group's A by another group's B, so every group must
+        split W the same way: σ in A (the factor the A-groups train), or in B with
+        only-b, where B is the factor every worker trains.
+        """
+        return "B" if self.cfg.sync == "only-b" else "A"
+
     def _trained_role(self) -> str:
         return "B" if self.cfg.sync == "only-b" else self.role
 
@@ -263,9 +272,8 @@ class ABTraining(Method):
                 min_compression = None
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
-            trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
-                                  split=self.cfg.split, trained=trained, optimizer=optimizer,
+                                  split=self.cfg.split, sigma_in=self._sigma_in(), optimizer=optimizer,
                                   moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start
@@ -348,9 +356,9 @@ class ABTraining(Method):
         low = [fp for fp in self.records if fp.name in ranks]
         start = time.perf_counter()
         with torch.profiler.record_function("abtrain::ab::decompose"):
-            trained = self._trained_role() if self.cfg.split == "sigma" else None
             lowrank.decompose_all(low, [ranks[fp.name] for fp in low], [lowrank.svd(fp) for fp in low],
-                                  min_compression=None, split=self.cfg.split, trained=trained, optimizer=optimizer,
+                                  min_compression=None, split=self.cfg.split, sigma_in=self._sigma_in(),
+                                  optimizer=optimizer,
                                   moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
         self.svd_seconds += time.perf_counter() - start

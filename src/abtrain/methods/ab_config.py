@@ -51,7 +51,7 @@ class ABConfig(Options):
     independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
-    split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: all singular values in the trained factor", choices=SPLITS)
+    split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: A = U S, B = V^T on every worker (with only-b: A = U, B = S V^T, the trained factor)", choices=SPLITS)
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
