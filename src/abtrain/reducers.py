@@ -203,7 +203,8 @@ class PowerSGDReducer(Reducer):
         dtype, device = grads[0][1].dtype, grads[0][1].device
         # The uncompressed tensors travel in the Ps' collective (one round of messages instead of two):
         # ``first`` is [every P | the uncompressed tensors of the Ps' dtype].
-        riders = [g for g in plain if g.dtype == dtype] if low else []
+        rides = [bool(low) and g.dtype == dtype for g in plain]
+        riders = [g for g, r in zip(plain, rides) if r]
         p_numel = sum(m.shape[1] * r for _, m, r in low)
         first = torch.empty(p_numel + sum(g.numel() for g in riders), dtype=dtype, device=device)
         p_flat = first[:p_numel]
@@ -228,7 +229,7 @@ class PowerSGDReducer(Reducer):
                 orthogonalize(q, self.epsilon)
         for (_, m, _), q, p in zip(low, qs, ps):
             torch.bmm(m, q, out=p)
-        alone = [g for g in plain if not any(g is rider for rider in riders)]
+        alone = [g for g, r in zip(plain, rides) if not r]
         if alone:
             self.comm.all_reduce_tensors(alone, group, average=True, wire_dtype=self.wire_dtype)
         if low:
