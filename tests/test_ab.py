@@ -332,9 +332,8 @@ def test_sigma_split_is_one_factorisation_on_every_worker(runs):
             for other in after[1:]:
                 assert torch.equal(other["A"][name], a) and torch.equal(other["B"][name], b), (t, name)
             torch.testing.assert_close(b @ b.T, torch.eye(b.shape[0]), rtol=0, atol=1e-4)  # σ is all in A
-    for o in outs:
-        sync = o["syncs"][0]
-        assert sync["step"] == K
+    assert all(o["syncs"][0]["step"] == K for o in outs)
+    # the sync multiplies the A-group's A by the B-group's B; with one factorisation that product is the model
     for name in outs[0]["syncs"][0]["before"]:
         a, b = outs[0]["syncs"][0]["before"][name][0], outs[2]["syncs"][0]["before"][name][1]
         got = outs[0]["syncs"][0]["after"]["W"][name].reshape(a.shape[0], -1)
