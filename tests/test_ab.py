@@ -135,6 +135,9 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     # σ in one factor: every group must split W the same way for the sync's Ā·B̄ to mean W
     "sigma": ({"rank_fraction": 0.25, "sync": "only-learned", "split": "sigma", "rebound_steps": 0},
               "sgd", 2 * K, False),
+    # σ in the factor each group trains; the sync adds each group's change to W
+    "tangent": ({"rank_fraction": 0.25, "sync": "only-learned", "split": "tangent", "rebound_steps": 0},
+                "sgd", 2 * K, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -338,6 +341,36 @@ def test_sigma_split_is_one_factorisation_on_every_worker(runs):
         a, b = outs[0]["syncs"][0]["before"][name][0], outs[2]["syncs"][0]["before"][name][1]
         got = outs[0]["syncs"][0]["after"]["W"][name].reshape(a.shape[0], -1)
         torch.testing.assert_close(got, a @ b, rtol=1e-4, atol=1e-5)
+
+
+def test_tangent_split_adds_each_groups_change_to_the_model(runs):
+    """split="tangent": A-groups train A = U·σ against B = Vᵀ, B-groups B = σ·Vᵀ against A = U (one W on every
+    worker); the sync leaves every worker with UσVᵀ + (Ā − Uσ)·Vᵀ + U·(B̄ − σVᵀ), not the product Ā·B̄."""
+    outs = runs["tangent"]
+    assert [o["role"] for o in outs] == ["A", "A", "B", "B"]
+    for t in (T_W, K):  # the warm-up's end; the sync at K is followed at once by the next decomposition
+        after = [next(s for s in o["steps"] if s["t"] == t)["after"] for o in outs]
+        for name in after[0]["A"]:
+            w = after[0]["A"][name] @ after[0]["B"][name]
+            for o, held in zip(outs, after):
+                a, b = held["A"][name], held["B"][name]
+                torch.testing.assert_close(a @ b, w, rtol=1e-5, atol=1e-5)
+                basis = b @ b.T if o["role"] == "A" else a.T @ a  # the factor this worker does not train
+                torch.testing.assert_close(basis, torch.eye(basis.shape[0]), rtol=0, atol=1e-4)
+    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
+    sync = [o["syncs"][0] for o in outs]
+    assert all(s["step"] == K for s in sync)
+    for name in sync[0]["before"]:
+        a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ
+        u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ
+        a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2  # A over the A-groups
+        b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2  # B over the B-groups
+        expected = a0 @ vh + (a_mean - a0) @ vh + u @ (b_mean - b0)
+        got = sync[0]["after"]["W"][name].reshape(expected.shape)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, a_mean @ b_mean, atol=1e-2)  # the product would scale by σ twice
+        for s in sync[1:]:
+            assert torch.equal(s["after"]["W"][name], sync[0]["after"]["W"][name])
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])

@@ -16,7 +16,9 @@ from helpers import run_world
 
 # AB schedule: warm-up steps 0-1, AB 2-6, rebound 7-8, AB 9-11, rebound 12-13, AB 14-15.
 AB = dict(warmup_steps=2, cycle_steps=5, rebound_steps=2, lr_rebound_steps=3, rank_fraction=0.25)
-STOPS = {"ddp": [5], "ab": [4, 8]}  # ab: stop inside an AB phase (groups differ), and inside a rebound
+# ab: stop inside an AB phase (groups differ), and inside a rebound; ab-tangent: inside an AB phase, where the
+# next sync needs the SVD the factors started from
+STOPS = {"ddp": [5], "ab": [4, 8], "ab-tangent": [4]}
 
 
 def _cfg(fashion_dir, method, **kw):
@@ -24,6 +26,8 @@ def _cfg(fashion_dir, method, **kw):
                 batch_size=16, eval_every=3, limit_test=64, log_every=100, lr=0.05, seed=5, checkpoint_every=3)
     if method == "ab":
         base.update(group_size=1, ab=ABConfig(**AB))
+    if method == "ab-tangent":
+        base.update(method="ab", group_size=1, ab=ABConfig(**AB, split="tangent", sync="only-learned"))
     base.update(kw)
     return TrainConfig(**base)
 

@@ -106,6 +106,8 @@ BAD = [
     (["--method", "ab", "--group-size", "1", "--ab-rebound-steps", "10", "--ab-cycle-steps", "10"], "must be smaller"),
     (["--method", "ab", "--group-size", "1", "--ab-full-rank", "*"], "nothing to factorise"),
     (["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"], "choose one rank rule"),
+    (["--method", "ab", "--group-size", "1", "--ab-split", "tangent", "--ab-sync", "with-stale"],
+     "use --ab-sync only-learned"),
 ]
 
 

@@ -144,16 +144,28 @@ def decompose_all(
     return done
 
 
-def recompose(fp: FactorizedParam) -> None:
+def recompose(fp: FactorizedParam, basis: SVD | None = None) -> None:
     """W = (A @ B).reshape(shape) in W's dtype, in place; switch to full mode.
 
+    With ``basis`` = (U, σ, Vᵀ), the rank-r SVD the factors started from, W is instead
+    the tangent merge UσVᵀ + (A − Uσ)·Vᵀ + U·(B − σVᵀ): the start
+    point plus the change of A (trained against B = Vᵀ) and the change of B (trained
+    against A = U), each in W's space, without the product of the two changes.
     A and B keep their values (and optimizer state); their grads are cleared.
     """
     if fp.rank == 0:
         raise ValueError(f"{fp.name} has no factors to recompose; call decompose first")
     w = fp.weight
     with torch.no_grad():
-        w.copy_((fp.A @ fp.B).reshape(fp.shape).to(w.dtype))
+        if basis is None:
+            merged = fp.A @ fp.B
+        else:
+            u, s, vh = basis
+            if u.shape != fp.A.shape or vh.shape != fp.B.shape:
+                raise ValueError(f"{fp.name}: basis of rank {s.numel()} does not match factors of rank {fp.rank}")
+            start = u * s
+            merged = start @ vh + ((fp.A - start) @ vh + u @ (fp.B - s[:, None] * vh))
+        w.copy_(merged.reshape(fp.shape).to(w.dtype))
     _set_grads_none(fp.A, fp.B, w)
     fp.param.note = "recomposed"
     set_mode([fp], "full")

@@ -87,6 +87,7 @@ class ABTraining(Method):
         self.ratio: float | None = None
         # optimizer_state="map": this worker's frozen factors as they were at the last sync, by layer
         self._frozen: dict[str, torch.Tensor] = {}
+        self._bases: dict[str, lowrank.SVD] = {}  # split="tangent": the SVD each low-rank layer started from
         if not self.cfg.needs_budget:
             self.set_total_steps(None)
 
@@ -248,7 +249,20 @@ class ABTraining(Method):
         split W the same way: σ in A (the factor the A-groups train), or in B with
         only-b, where B is the factor every worker trains.
         """
+        if self.cfg.split == "tangent":
+            return self._trained_role()
         return "B" if self.cfg.sync == "only-b" else "A"
+
+    def _split(self) -> str:
+        """The split handed to the decomposition: tangent is sigma with σ in the factor this worker trains."""
+        return "sigma" if self.cfg.split == "tangent" else self.cfg.split
+
+    def _keep_bases(self, records: list[lowrank.FactorizedParam], svds: list[lowrank.SVD]) -> None:
+        """split="tangent": each low-rank layer's (U, σ, Vᵀ) at its rank, the basis of the next sync's merge."""
+        if self.cfg.split == "tangent":
+            self._bases = {fp.name: lowrank.SVD(s.U[:, :fp.rank].clone(), s.S[:fp.rank].clone(),
+                                                s.Vh[:fp.rank].clone())
+                           for fp, s in zip(records, svds) if fp.mode == "lowrank"}
 
     def _trained_role(self) -> str:
         return "B" if self.cfg.sync == "only-b" else self.role
@@ -273,9 +287,10 @@ class ABTraining(Method):
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
-                                  split=self.cfg.split, sigma_in=self._sigma_in(), optimizer=optimizer,
+                                  split=self._split(), sigma_in=self._sigma_in(), optimizer=optimizer,
                                   moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
+            self._keep_bases(records, svds)
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
         self.ranks.append({"step": self.t, "layers": {fp.name: (fp.rank if fp.mode == "lowrank" else None)
@@ -322,9 +337,12 @@ class ABTraining(Method):
                            in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
                            one_group=self.train_group is self.topo.world and not self.cfg.independent)
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
+            # tangent: Ā and B̄ were trained against different splits of one SVD; W adds their changes to it
+            bases = self._bases if self.cfg.sync == "only-learned" else {}
             for fp in low:
                 if fp.mode == "lowrank":
-                    lowrank.recompose(fp)
+                    lowrank.recompose(fp, bases.get(fp.name))
+            self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
 
@@ -342,8 +360,9 @@ class ABTraining(Method):
         Training W inside the groups for the rest of the phase would be wrong, so
         the layers that were low rank are split again at their current ranks and
         the phase goes on: A-groups train A, B-groups train B, from one model.
-        Ā·B̄ has rank <= r, so that split is exact (with ``sync="full"`` the
-        averaged W is cut back to r, as at a scheduled truncation). The schedule
+        Ā·B̄ has rank <= r, so that split is exact (with ``sync="full"``, and
+        with ``split="tangent"``, whose merge has rank <= 2r, W is cut back to r,
+        as at a scheduled truncation). The schedule
         does not move: the next sync still falls at the next multiple of K, no
         LR ramp starts, ranks are not re-chosen. Factor moments are kept as at
         every re-decomposition (``optimizer_state``).
@@ -356,11 +375,13 @@ class ABTraining(Method):
         low = [fp for fp in self.records if fp.name in ranks]
         start = time.perf_counter()
         with torch.profiler.record_function("abtrain::ab::decompose"):
-            lowrank.decompose_all(low, [ranks[fp.name] for fp in low], [lowrank.svd(fp) for fp in low],
-                                  min_compression=None, split=self.cfg.split, sigma_in=self._sigma_in(),
+            svds = [lowrank.svd(fp) for fp in low]
+            lowrank.decompose_all(low, [ranks[fp.name] for fp in low], svds,
+                                  min_compression=None, split=self._split(), sigma_in=self._sigma_in(),
                                   optimizer=optimizer,
                                   moments_against=self._take_frozen())
             lowrank.set_trainable(self.records, self._trained_role())
+            self._keep_bases(low, svds)
         self.svd_seconds += time.perf_counter() - start
         self._agreed_at = self.t
 
@@ -388,7 +409,8 @@ class ABTraining(Method):
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
-                "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen)}
+                "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
+                "bases": {name: tuple(b) for name, b in self._bases.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
@@ -406,6 +428,7 @@ class ABTraining(Method):
         self.ratio = state["ratio"]
         self.dense.load_state_dict(state["dense"])
         self._frozen = dict(state.get("frozen", {}))
+        self._bases = {name: lowrank.SVD(*b) for name, b in state.get("bases", {}).items()}
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)

@@ -12,7 +12,7 @@ from ..validate import Options, opt
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
-SPLITS = ("sqrt", "sigma")
+SPLITS = ("sqrt", "sigma", "tangent")
 STATE_POLICIES = ("keep", "map", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
@@ -51,7 +51,7 @@ class ABConfig(Options):
     independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
-    split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: A = U S, B = V^T on every worker (with only-b: A = U, B = S V^T, the trained factor)", choices=SPLITS)
+    split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: A = U S, B = V^T on every worker (with only-b: A = U, B = S V^T, the trained factor); tangent: S in the factor each group trains (A = U S, B = V^T in A-groups; A = U, B = S V^T in B-groups), and with only-learned the sync adds each group's change to W instead of multiplying the factors (W = A V^T + U B - U S V^T)", choices=SPLITS)
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
@@ -89,6 +89,10 @@ class ABConfig(Options):
         self.rank_rule()  # validates the values
         if self.min_compression is not None and self.min_compression <= 0:
             raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
+        if self.split == "tangent" and self.sync == "with-stale":
+            raise ValueError("--ab-split tangent splits W differently in A- and B-groups, and with-stale averages each "
+                             "group's untrained factor with the others' trained one: use --ab-sync only-learned "
+                             "(or --ab-split sigma)")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
 
