@@ -119,6 +119,8 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
                                                   for fp in method.records},
                                  "moments": _moments(method, opt)})
             out["ledger_by_step"].append(copy.deepcopy(comm.ledger.summary()["by_phase"]))
+    out["final"] = _snapshot(method, model)  # after attach() ended, as the run leaves the model
+    out["final_modes"] = {fp.name: fp.mode for fp in method.records}
     out["ranks_log"] = method.ranks
     out["records"] = [(fp.name, fp.m, fp.n) for fp in method.records]
     out["float_buffers"] = sum(b.numel() for b in model.buffers() if b.is_floating_point())
@@ -371,6 +373,15 @@ def test_tangent_split_adds_each_groups_change_to_the_model(runs):
         assert not torch.allclose(got, a_mean @ b_mean, atol=1e-2)  # the product would scale by σ twice
         for s in sync[1:]:
             assert torch.equal(s["after"]["W"][name], sync[0]["after"]["W"][name])
+    # the run ends at step 2K, a sync followed by a decomposition: every worker leaves with one W, bit for bit
+    assert [s["step"] for s in outs[0]["syncs"]] == [K, 2 * K]
+    last = next(s for s in outs[0]["steps"] if s["t"] == 2 * K)["after"]
+    for o in outs:
+        assert set(o["final_modes"].values()) == {"full"}
+        for name, w in o["final"]["W"].items():
+            assert torch.equal(w, outs[0]["final"]["W"][name]), name
+            if name in last["A"]:  # the model of the last decomposition, U·σ times Vᵀ on an A-worker
+                torch.testing.assert_close(w.reshape(-1, last["B"][name].shape[1]), last["A"][name] @ last["B"][name])
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])

@@ -142,12 +142,12 @@ def test_library_errors_name_keywords():
     assert as_keywords("pass e.g. --group-size 2, or --no-ab-keep-output") == "pass e.g. group_size=2, or keep_output=False"
 
 
-def _setup_in_users_world(steps: int) -> dict:
+def _setup_in_users_world(steps: int, split: str) -> dict:
     """The user's script initialised the world; abtrain joins it and leaves it to them."""
     dist.init_process_group("gloo")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        method = abtrain.setup("ab", total_steps=steps, rank_fraction=0.5, min_rank=1)
+        method = abtrain.setup("ab", total_steps=steps, rank_fraction=0.5, min_rank=1, split=split)
     torch.manual_seed(dist.get_rank())  # different initial weights: prepare() must broadcast rank 0's
     model = method.prepare(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -186,17 +186,22 @@ def _setup_in_users_world(steps: int) -> dict:
     return result
 
 
-def test_setup_on_one_node_consensus_mid_phase_and_users_world():
-    outs = run_world(_setup_in_users_world, 2, 100)
+@pytest.mark.parametrize("split", ["sqrt", "tangent"])
+def test_setup_on_one_node_consensus_mid_phase_and_users_world(split):
+    outs = run_world(_setup_in_users_world, 2, 100, split)
     for r, o in enumerate(outs):
         assert (o["groups"], o["group_size"]) == (2, 1)  # one node of 2: split into 2 groups
         assert not o["owns"] and o["still_initialised"]  # joined the user's world; close() left it alone
+        # the first AB phase keeps full rank, so both splits' syncs re-split exactly at the phase's ranks
         assert o["apart"] and o["synced"] and o["exact"] and o["same_ranks"] and o["noop"]
         assert o["phase"] == "ab"
         for a_moved, b_moved, w_untouched in o["trained"].values():
             assert w_untouched and (a_moved, b_moved) == ((True, False) if o["role"] == "A" else (False, True))
     for k, v in outs[0]["weights"].items():
-        assert torch.equal(v, outs[1]["weights"][k]), k  # one model inside consensus()
+        if split == "sqrt":
+            assert torch.equal(v, outs[1]["weights"][k]), k  # one model inside consensus()
+        else:  # one W, split U·σ | Vᵀ on one worker and U | σ·Vᵀ on the other: equal up to the products' rounding
+            torch.testing.assert_close(v, outs[1]["weights"][k], rtol=1e-5, atol=1e-6)
     lines = outs[0]["stdout"].splitlines()
     assert lines[0] == "abtrain: AB-training: one node of 2 workers: 2 groups of 1 (set group_size= to choose)"
     assert sum("AB-training schedule" in ln for ln in lines) == 1

@@ -362,7 +362,9 @@ class ABTraining(Method):
         the phase goes on: A-groups train A, B-groups train B, from one model.
         Ā·B̄ has rank <= r, so that split is exact (with ``sync="full"``, and
         with ``split="tangent"``, whose merge has rank <= 2r, W is cut back to r,
-        as at a scheduled truncation). The schedule
+        as at a scheduled truncation). With ``split="tangent"`` the A- and
+        B-groups hold U·σ | Vᵀ and U | σ·Vᵀ of that one W, so their A·B agree up
+        to the rounding of the two products, not bit for bit. The schedule
         does not move: the next sync still falls at the next multiple of K, no
         LR ramp starts, ranks are not re-chosen. Factor moments are kept as at
         every re-decomposition (``optimizer_state``).
@@ -390,6 +392,21 @@ class ABTraining(Method):
         if not self.in_consensus():
             self._sync(optimizer)
             self._switch_step = self.t
+        elif self._bases and self.phase == "ab":
+            self._settle_tangent()
+
+    @torch.no_grad()
+    def _settle_tangent(self) -> None:
+        """split="tangent", ending right after a decomposition: the groups hold U·σ | Vᵀ and U | σ·Vᵀ, whose
+        products differ in the last bits; every worker leaves with W = (U·σ)·Vᵀ of the one SVD they share."""
+        for fp in self.records:
+            if fp.name in self._bases and fp.mode == "lowrank":
+                u, s, vh = self._bases[fp.name]
+                fp.weight.copy_(((u * s) @ vh).reshape(fp.shape).to(fp.weight.dtype))
+                fp.A.grad = fp.B.grad = None
+                lowrank.set_mode([fp], "full")
+        self._bases = {}
+        lowrank.set_trainable(self.records, "full")
 
     def extra_results(self) -> dict[str, Any]:
         sched = self._sched()
