@@ -337,8 +337,11 @@ def test_link_counters_less_66_bytes_per_packet_are_the_tcp_payload(message):
     tx = sum(a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before))
     packets = sum(a["tx_packets"] - b["tx_packets"] for a, b in zip(after, before))
     assert all("tcp_retrans_segs" in c for c in after)
-    # The connection's SYNs carry 8 more bytes of options each: a few dozen bytes over the whole transfer.
-    assert abs(tx - HEADER_BYTES * packets - total) < 100, (tx, packets)
+    retrans = sum(a["tcp_retrans_segs"] - b["tcp_retrans_segs"] for a, b in zip(after, before))
+    # The connection's SYNs carry 8 more bytes of options each: a few dozen bytes over the whole transfer. On a
+    # loaded machine acknowledgements may carry SACK blocks (10-34 B each): a few hundred bytes more. A header
+    # wrong by one byte a packet would be off by thousands.
+    assert abs(tx - HEADER_BYTES * packets - total) < 100 + 0.0002 * total, (tx, packets, retrans)
 
 
 _OPS = """
