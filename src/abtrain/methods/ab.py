@@ -247,7 +247,9 @@ class ABTraining(Method):
 
         The sync multiplies one group's A by another group's B, so every group must
         split W the same way: σ in A (the factor the A-groups train), or in B with
-        only-b, where B is the factor every worker trains.
+        only-b, where B is the factor every worker trains. split="tangent" does the
+        opposite on purpose: σ in the factor this worker trains, the sync merging
+        the two splits through the kept SVD (:meth:`_keep_bases`).
         """
         if self.cfg.split == "tangent":
             return self._trained_role()
