@@ -140,6 +140,9 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     # σ in the factor each group trains; the sync adds each group's change to W
     "tangent": ({"rank_fraction": 0.25, "sync": "only-learned", "split": "tangent", "rebound_steps": 0},
                 "sgd", 2 * K, False),
+    # ranks at which body and body2's factors hold more numbers than W: their sync sends W's change (bfloat16)
+    "tangent-change": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
+                        "sync_dtype": "bf16"}, "sgd", 2 * K, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -382,6 +385,47 @@ def test_tangent_split_adds_each_groups_change_to_the_model(runs):
             assert torch.equal(w, outs[0]["final"]["W"][name]), name
             if name in last["A"]:  # the model of the last decomposition, U·σ times Vᵀ on an A-worker
                 torch.testing.assert_close(w.reshape(-1, last["B"][name].shape[1]), last["A"][name] @ last["B"][name])
+
+
+def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors(runs):
+    """sync_payload="smaller" (the default) with the tangent split: a layer whose factors hold more numbers
+    than W sends the change its group made to W instead; every worker ends each sync with one model, W is the
+    tangent merge to bfloat16's precision on the change, and the sync's bytes are those of the smaller payloads."""
+    outs = runs["tangent-change"]
+    o = outs[0]
+    m_n = {name: (m, n) for name, m, n in o["records"]}
+    start = [next(s for s in w["steps"] if s["t"] == T_W)["after"] for w in outs]
+    as_change = set()
+    for name, (a, b) in o["syncs"][0]["before"].items():
+        m, n = m_n[name]
+        if m * n < a.shape[1] * (m + n):
+            as_change.add(name)
+    assert as_change == set(o["syncs"][0]["before"])  # at rank 30 of 40, A and B hold 2640 numbers, W 1920
+    for i, t in enumerate((K, 2 * K)):
+        # W, the other parameters and the buffers; the factors of the next decomposition are each group's split
+        ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
+        for w in outs[1:]:
+            held = _tensors(w["syncs"][i]["after"])
+            assert all(torch.equal(held[k], v) for k, v in ref.items()), t
+    sync = [w["syncs"][0] for w in outs]
+    for name in sync[0]["before"]:
+        a0, vh = start[0]["A"][name], start[0]["B"][name]
+        u, b0 = start[2]["A"][name], start[2]["B"][name]
+        a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2
+        b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2
+        change = (a_mean - a0) @ vh + u @ (b_mean - b0)
+        got = sync[0]["after"]["W"][name].reshape(change.shape)
+        # bfloat16 rounds each worker's share of the change (factors: their values), then the sum
+        scale = float(change.abs().max()) if name in as_change else float((a_mean @ vh).abs().max())
+        torch.testing.assert_close(got, a0 @ vh + change, rtol=0, atol=0.02 * scale)
+    expected = 0
+    for s in o["syncs"]:
+        sent = sum(m_n[name][0] * m_n[name][1] if name in as_change else a.numel() + b.numel()
+                   for name, (a, b) in s["before"].items())
+        rest = sum(v.numel() for v in s["before_other"].values())
+        expected += 2 * (sent + 2 * rest + o["float_buffers"])  # bfloat16: 2 bytes an element
+    expected += 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])  # int64 ranks
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == expected
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])

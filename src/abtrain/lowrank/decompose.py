@@ -144,17 +144,21 @@ def decompose_all(
     return done
 
 
-def recompose(fp: FactorizedParam, basis: SVD | None = None) -> None:
+def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | None = None) -> None:
     """W = (A @ B).reshape(shape) in W's dtype, in place; switch to full mode.
 
     With ``basis`` = (U, σ, Vᵀ), the rank-r SVD the factors started from, W is instead
     the tangent merge UσVᵀ + (A − Uσ)·Vᵀ + U·(B − σVᵀ): the start
     point plus the change of A (trained against B = Vᵀ) and the change of B (trained
     against A = U), each in W's space, without the product of the two changes.
+    ``change`` (with ``basis``): those two changes already summed, as one m×n tensor
+    (a sync that sent W's change instead of the factors): W = UσVᵀ + change.
     A and B keep their values (and optimizer state); their grads are cleared.
     """
     if fp.rank == 0:
         raise ValueError(f"{fp.name} has no factors to recompose; call decompose first")
+    if change is not None and basis is None:
+        raise ValueError(f"{fp.name}: a change of W is added to the SVD the factors started from; pass basis too")
     w = fp.weight
     with torch.no_grad():
         if basis is None:
@@ -164,7 +168,10 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None) -> None:
             if u.shape != fp.A.shape or vh.shape != fp.B.shape:
                 raise ValueError(f"{fp.name}: basis of rank {s.numel()} does not match factors of rank {fp.rank}")
             start = u * s
-            merged = start @ vh + ((fp.A - start) @ vh + u @ (fp.B - s[:, None] * vh))
+            if change is not None:
+                merged = start @ vh + change.reshape(start.shape[0], vh.shape[1])
+            else:
+                merged = start @ vh + ((fp.A - start) @ vh + u @ (fp.B - s[:, None] * vh))
         w.copy_(merged.reshape(fp.shape).to(w.dtype))
     _set_grads_none(fp.A, fp.B, w)
     fp.param.note = "recomposed"

@@ -335,18 +335,28 @@ class ABTraining(Method):
             # carry group-specific optimizer moments: average them too, so that the
             # rebound that follows is exact data parallelism with one model everywhere.
             rest = full + buffers + optimizer_moments(optimizer, full)
-            average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
-                           in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
-                           one_group=self.train_group is self.topo.world and not self.cfg.independent)
-            self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             # tangent: Ā and B̄ were trained against different splits of one SVD; W adds their changes to it
             bases = self._bases if self.cfg.sync == "only-learned" else {}
+            changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
+                                     in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
+                                     one_group=self.train_group is self.topo.world and not self.cfg.independent,
+                                     as_change=self._send_as_change(low, bases))
+            self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
-                    lowrank.recompose(fp, bases.get(fp.name))
+                    lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name))
             self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
+
+    def _send_as_change(self, low: list[lowrank.FactorizedParam],
+                        bases: dict[str, lowrank.SVD]) -> dict[str, lowrank.SVD]:
+        """sync_payload="smaller": the tangent layers whose change of W (m·n numbers) is smaller than their
+        factors (r·(m + n)), with the SVD each started from."""
+        if self.cfg.sync_payload != "smaller":
+            return {}
+        return {fp.name: bases[fp.name] for fp in low
+                if fp.name in bases and fp.m * fp.n < fp.rank * (fp.m + fp.n)}
 
     def in_consensus(self) -> bool:
         # Workers differ only while groups train apart: inside an AB phase after its first step.

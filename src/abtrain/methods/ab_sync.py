@@ -19,16 +19,20 @@ def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam])
 @torch.no_grad()
 def average_models(comm: Communicator, world: Group, mode: str, low: list[lowrank.FactorizedParam],
                    rest: list[torch.Tensor], buffers: list[torch.Tensor], wire: torch.dtype | None, *,
-                   in_a: bool, n_a: int, one_group: bool) -> None:
+                   in_a: bool, n_a: int, one_group: bool,
+                   as_change: dict[str, lowrank.SVD] | None = None) -> dict[str, torch.Tensor]:
     """Average the factors of the ``low`` layers and ``rest`` over ``world`` as the sync ``mode`` says.
 
     ``in_a``: this worker trained A; ``n_a``: workers that trained A; ``one_group``:
     only-b trained B over one group of every worker, so only the buffers drifted apart.
+    ``as_change`` (only-learned with the tangent split): the layers whose change of W is
+    sent instead of their factors, each with the SVD (U, σ, Vᵀ) its phase started from.
+    Returns those layers' summed changes of W (m×n), the same on every worker.
     """
     if mode == "with-stale":
         comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world, wire_dtype=wire)
     elif mode == "only-learned":
-        _average_learned(comm, world, low, rest, wire, in_a=in_a, n_a=n_a)
+        return _average_learned(comm, world, low, rest, wire, in_a=in_a, n_a=n_a, as_change=as_change or {})
     elif mode == "full":
         for fp in low:
             lowrank.recompose(fp)
@@ -38,25 +42,45 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
         comm.all_reduce_tensors(buffers, world, wire_dtype=wire)
     else:  # only-b in groups: A is the same frozen factor everywhere; B and the rest are averaged
         comm.all_reduce_tensors([fp.B for fp in low] + rest, world, wire_dtype=wire)
+    return {}
 
 
 def _average_learned(comm: Communicator, world: Group, low: list[lowrank.FactorizedParam],
-                     rest: list[torch.Tensor], wire: torch.dtype | None, *, in_a: bool, n_a: int) -> None:
+                     rest: list[torch.Tensor], wire: torch.dtype | None, *, in_a: bool, n_a: int,
+                     as_change: dict[str, lowrank.SVD]) -> dict[str, torch.Tensor]:
     """only-learned: mean of A over the A-groups, mean of B over the B-groups, the rest over everyone.
 
     One summed all-reduce (the bytes of with-stale): each worker contributes its
     trained factor divided by the number of workers that trained it, zeros for
-    its frozen factor, and the rest divided by the world size.
+    its frozen factor, and the rest divided by the world size. A layer in
+    ``as_change`` contributes instead the change its trained factor made to W
+    ((A − Uσ)·Vᵀ from an A-worker, U·(B − σVᵀ) from a B-worker, over the
+    workers that trained it): one m×n tensor in place of two factors. The sum is
+    the change the tangent merge adds to UσVᵀ; its factors are set to U·σ and
+    Vᵀ on every worker (the next decomposition replaces them).
     """
     n_b = world.size - n_a
     contrib = []
     for fp in low:
+        if fp.name in as_change:
+            u, s, vh = as_change[fp.name]
+            contrib.append((fp.A - u * s) @ vh / n_a if in_a else u @ (fp.B - s[:, None] * vh) / n_b)
+            continue
         contrib.append(fp.A / n_a if in_a else torch.zeros_like(fp.A))
         contrib.append(fp.B / n_b if not in_a else torch.zeros_like(fp.B))
     contrib += [t / world.size for t in rest]
     comm.all_reduce_tensors(contrib, world, average=False, wire_dtype=wire)
-    for fp, a, b in zip(low, contrib[0::2], contrib[1::2]):
-        fp.A.copy_(a)
-        fp.B.copy_(b)
-    for t, mean in zip(rest, contrib[2 * len(low):]):
+    changes: dict[str, torch.Tensor] = {}
+    received = iter(contrib)
+    for fp in low:
+        if fp.name in as_change:
+            u, s, vh = as_change[fp.name]
+            changes[fp.name] = next(received)
+            fp.A.copy_(u * s)
+            fp.B.copy_(vh)
+            continue
+        fp.A.copy_(next(received))
+        fp.B.copy_(next(received))
+    for t, mean in zip(rest, received):
         t.copy_(mean)
+    return changes
