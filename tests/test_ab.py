@@ -142,7 +142,7 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
                 "sgd", 2 * K, False),
     # ranks at which body and body2's factors hold more numbers than W: their sync sends W's change (bfloat16)
     "tangent-change": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
-                        "sync_dtype": "bf16"}, "sgd", 2 * K, False),
+                        "sync_dtype": "bf16", "sync_payload": "smaller"}, "sgd", 2 * K, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -388,7 +388,7 @@ def test_tangent_split_adds_each_groups_change_to_the_model(runs):
 
 
 def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors(runs):
-    """sync_payload="smaller" (the default) with the tangent split: a layer whose factors hold more numbers
+    """sync_payload="smaller" with the tangent split: a layer whose factors hold more numbers
     than W sends the change its group made to W instead; every worker ends each sync with one model, W is the
     tangent merge to bfloat16's precision on the change, and the sync's bytes are those of the smaller payloads."""
     outs = runs["tangent-change"]
