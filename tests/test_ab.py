@@ -140,6 +140,9 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     # σ in the factor each group trains; the sync adds each group's change to W
     "tangent": ({"rank_fraction": 0.25, "sync": "only-learned", "split": "tangent", "rebound_steps": 0},
                 "sgd", 2 * K, False),
+    # each worker's own A·B (the start plus its group's change) averaged: half of each change
+    "tangent-full": ({"rank_fraction": 0.25, "sync": "full", "split": "tangent", "rebound_steps": 0},
+                     "sgd", 2 * K, False),
     # ranks at which body and body2's factors hold more numbers than W: their sync sends W's change (bfloat16)
     "tangent-change": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
                         "sync_dtype": "bf16", "sync_payload": "smaller"}, "sgd", 2 * K, False),
@@ -385,6 +388,35 @@ def test_tangent_split_adds_each_groups_change_to_the_model(runs):
             assert torch.equal(w, outs[0]["final"]["W"][name]), name
             if name in last["A"]:  # the model of the last decomposition, U·σ times Vᵀ on an A-worker
                 torch.testing.assert_close(w.reshape(-1, last["B"][name].shape[1]), last["A"][name] @ last["B"][name])
+
+
+def test_tangent_split_with_the_full_sync_averages_the_groups_models(runs):
+    """split="tangent", sync="full": each worker's own A·B (UσVᵀ plus its group's change) is averaged, so W
+    moves by half of each group's change (only-learned adds them); every worker ends the sync with one W, and
+    the sync sends W (m·n numbers a layer), not the factors."""
+    outs = runs["tangent-full"]
+    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
+    sync = [o["syncs"][0] for o in outs]
+    assert all(s["step"] == K for s in sync)
+    for name in sync[0]["before"]:
+        a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ
+        u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ
+        a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2
+        b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2
+        change = (a_mean - a0) @ vh + u @ (b_mean - b0)
+        got = sync[0]["after"]["W"][name].reshape(change.shape)
+        torch.testing.assert_close(got, a0 @ vh + change / 2, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, a0 @ vh + change, atol=1e-3)  # not the sum of the changes
+        for s in sync[1:]:
+            assert torch.equal(s["after"]["W"][name], sync[0]["after"]["W"][name])
+    o = outs[0]
+    m_n = {name: m * n for name, m, n in o["records"]}
+    expected = 0
+    for s in o["syncs"]:
+        rest = sum(v.numel() for v in s["before_other"].values())
+        expected += 4 * (sum(m_n[name] for name in s["before"]) + 2 * rest + o["float_buffers"])
+    expected += 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])  # int64 ranks
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == expected
 
 
 def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors(runs):
