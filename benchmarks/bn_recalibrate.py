@@ -47,7 +47,10 @@ for run in args.run_dirs:
         if not os.path.isfile(os.path.join(run, name)):
             sys.exit(f"{run}: no {name}; pass the directory of a finished 'abtrain train' run")
     with open(os.path.join(run, "config.json")) as fh:
-        model_name = json.load(fh)["model"]
+        config = json.load(fh)
+    if config.get("dataset") != "fashion-mnist":
+        sys.exit(f"{run}: trained on {config.get('dataset')!r}; this script evaluates Fashion-MNIST runs")
+    model_name = config["model"]
     model = build_model(model_name, dataset)
     model.load_state_dict(torch.load(os.path.join(run, "model.pt"), weights_only=True))
     saved = accuracy(model)

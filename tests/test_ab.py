@@ -66,6 +66,34 @@ def _moments(method, opt):
     return out
 
 
+def _tangent_first_sync(outs, name):
+    """A tangent run's first sync, layer ``name``: W at the decomposition that started the phase (U·σ times Vᵀ),
+    the change the tangent merge adds to it, (Ā − Uσ)·Vᵀ + U·(B̄ − σVᵀ), and the means Ā and B̄."""
+    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
+    sync = [o["syncs"][0] for o in outs]
+    a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ (an A-worker)
+    u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ (a B-worker)
+    a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2  # A over the A-groups
+    b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2  # B over the B-groups
+    return a0 @ vh, (a_mean - a0) @ vh + u @ (b_mean - b0), a_mean, b_mean
+
+
+def _sync_payload(o, element_bytes, layer_numbers):
+    """The sync phase's payload bytes: at every sync each factorised layer's ``layer_numbers(name, A, B)``, every
+    parameter kept full rank with its SGD momentum (trained apart during the AB phase) and the float buffers, at
+    ``element_bytes`` an element; and the all-reduce(MAX) of the int64 ranks at every truncation."""
+    expected = 0
+    for sync in o["syncs"]:
+        layers = sum(layer_numbers(name, a, b) for name, (a, b) in sync["before"].items())
+        rest = sum(v.numel() for v in sync["before_other"].values())
+        expected += element_bytes * (layers + 2 * rest + o["float_buffers"])
+    return expected + 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])
+
+
+def _factors(name, a, b):
+    return a.numel() + b.numel()
+
+
 def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     comm = Communicator()
     torch.manual_seed(0)
@@ -244,15 +272,7 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     assert o["summary"]["by_scope"]["group"]["payload_bytes"] == expected_ab
     # sync: r(m+n) per factorised layer + everything kept full rank (and its optimizer moments)
     # + float buffers, over all workers
-    expected_sync = 0
-    for sync in o["syncs"]:
-        factors = sum(a.numel() + b.numel() for a, b in sync["before"].values())
-        rest = sum(v.numel() for v in sync["before_other"].values())
-        # full-rank parameters travel with their SGD momentum (trained apart during the AB phase)
-        expected_sync += 4 * (factors + 2 * rest + o["float_buffers"])
-    rank_agreements = len([r for r in o["ranks_log"] if r["step"] != T_W])
-    expected_sync += 8 * len(o["records"]) * rank_agreements  # all-reduce(MAX) of int64 ranks
-    assert by_phase["sync"]["payload_bytes"] == expected_sync
+    assert by_phase["sync"]["payload_bytes"] == _sync_payload(o, 4, _factors)
 
 
 def test_ranks_agree_and_follow_the_rule(runs):
@@ -321,14 +341,8 @@ def test_bf16_sync_leaves_one_model_and_sends_two_bytes_an_element(runs):
             exact = a @ b
             got = sync[0]["after"]["W"][name].double().reshape(exact.shape)
             assert torch.allclose(got, exact, rtol=0.02, atol=0.01 * float(exact.abs().max()))
-    o = outs[0]
-    expected = 0
-    for sync in o["syncs"]:
-        factors = sum(a.numel() + b.numel() for a, b in sync["before"].values())
-        rest = sum(v.numel() for v in sync["before_other"].values())
-        expected += 2 * (factors + 2 * rest + o["float_buffers"])  # bfloat16: 2 bytes an element
-    expected += 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])  # int64 ranks
-    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == expected
+    o = outs[0]  # bfloat16: 2 bytes an element
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(o, 2, _factors)
 
 
 def test_sigma_split_is_one_factorisation_on_every_worker(runs):
@@ -365,17 +379,12 @@ def test_tangent_split_adds_each_groups_change_to_the_model(runs):
                 torch.testing.assert_close(a @ b, w, rtol=1e-5, atol=1e-5)
                 basis = b @ b.T if o["role"] == "A" else a.T @ a  # the factor this worker does not train
                 torch.testing.assert_close(basis, torch.eye(basis.shape[0]), rtol=0, atol=1e-4)
-    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
     sync = [o["syncs"][0] for o in outs]
     assert all(s["step"] == K for s in sync)
     for name in sync[0]["before"]:
-        a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ
-        u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ
-        a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2  # A over the A-groups
-        b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2  # B over the B-groups
-        expected = a0 @ vh + (a_mean - a0) @ vh + u @ (b_mean - b0)
-        got = sync[0]["after"]["W"][name].reshape(expected.shape)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        w0, change, a_mean, b_mean = _tangent_first_sync(outs, name)
+        got = sync[0]["after"]["W"][name].reshape(w0.shape)
+        torch.testing.assert_close(got, w0 + change, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(got, a_mean @ b_mean, atol=1e-2)  # the product would scale by σ twice
         for s in sync[1:]:
             assert torch.equal(s["after"]["W"][name], sync[0]["after"]["W"][name])
@@ -395,28 +404,18 @@ def test_tangent_split_with_the_full_sync_averages_the_groups_models(runs):
     moves by half of each group's change (only-learned adds them); every worker ends the sync with one W, and
     the sync sends W (m·n numbers a layer), not the factors."""
     outs = runs["tangent-full"]
-    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
     sync = [o["syncs"][0] for o in outs]
     assert all(s["step"] == K for s in sync)
     for name in sync[0]["before"]:
-        a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ
-        u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ
-        a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2
-        b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2
-        change = (a_mean - a0) @ vh + u @ (b_mean - b0)
-        got = sync[0]["after"]["W"][name].reshape(change.shape)
-        torch.testing.assert_close(got, a0 @ vh + change / 2, rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(got, a0 @ vh + change, atol=1e-3)  # not the sum of the changes
+        w0, change, _, _ = _tangent_first_sync(outs, name)
+        got = sync[0]["after"]["W"][name].reshape(w0.shape)
+        torch.testing.assert_close(got, w0 + change / 2, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, w0 + change, atol=1e-3)  # not the sum of the changes
         for s in sync[1:]:
             assert torch.equal(s["after"]["W"][name], sync[0]["after"]["W"][name])
     o = outs[0]
     m_n = {name: m * n for name, m, n in o["records"]}
-    expected = 0
-    for s in o["syncs"]:
-        rest = sum(v.numel() for v in s["before_other"].values())
-        expected += 4 * (sum(m_n[name] for name in s["before"]) + 2 * rest + o["float_buffers"])
-    expected += 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])  # int64 ranks
-    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == expected
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(o, 4, lambda name, a, b: m_n[name])
 
 
 def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors(runs):
@@ -425,39 +424,22 @@ def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors
     tangent merge to bfloat16's precision on the change, and the sync's bytes are those of the smaller payloads."""
     outs = runs["tangent-change"]
     o = outs[0]
-    m_n = {name: (m, n) for name, m, n in o["records"]}
-    start = [next(s for s in w["steps"] if s["t"] == T_W)["after"] for w in outs]
-    as_change = set()
-    for name, (a, b) in o["syncs"][0]["before"].items():
-        m, n = m_n[name]
-        if m * n < a.shape[1] * (m + n):
-            as_change.add(name)
-    assert as_change == set(o["syncs"][0]["before"])  # at rank 30 of 40, A and B hold 2640 numbers, W 1920
+    m_n = {name: m * n for name, m, n in o["records"]}
+    # at rank 30 of 40, A and B hold 2640 numbers, W 1920: every factorised layer sends its change
+    assert all(m_n[name] < a.numel() + b.numel() for s in o["syncs"] for name, (a, b) in s["before"].items())
     for i, t in enumerate((K, 2 * K)):
         # W, the other parameters and the buffers; the factors of the next decomposition are each group's split
         ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
         for w in outs[1:]:
             held = _tensors(w["syncs"][i]["after"])
             assert all(torch.equal(held[k], v) for k, v in ref.items()), t
-    sync = [w["syncs"][0] for w in outs]
-    for name in sync[0]["before"]:
-        a0, vh = start[0]["A"][name], start[0]["B"][name]
-        u, b0 = start[2]["A"][name], start[2]["B"][name]
-        a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2
-        b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2
-        change = (a_mean - a0) @ vh + u @ (b_mean - b0)
-        got = sync[0]["after"]["W"][name].reshape(change.shape)
-        # bfloat16 rounds each worker's share of the change (factors: their values), then the sum
-        scale = float(change.abs().max()) if name in as_change else float((a_mean @ vh).abs().max())
-        torch.testing.assert_close(got, a0 @ vh + change, rtol=0, atol=0.02 * scale)
-    expected = 0
-    for s in o["syncs"]:
-        sent = sum(m_n[name][0] * m_n[name][1] if name in as_change else a.numel() + b.numel()
-                   for name, (a, b) in s["before"].items())
-        rest = sum(v.numel() for v in s["before_other"].values())
-        expected += 2 * (sent + 2 * rest + o["float_buffers"])  # bfloat16: 2 bytes an element
-    expected += 8 * len(o["records"]) * len([r for r in o["ranks_log"] if r["step"] != T_W])  # int64 ranks
-    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == expected
+    for name in o["syncs"][0]["before"]:
+        w0, change, _, _ = _tangent_first_sync(outs, name)
+        got = o["syncs"][0]["after"]["W"][name].reshape(w0.shape)
+        # bfloat16 rounds each worker's share of the change, then the sum: an error on the scale of the change
+        torch.testing.assert_close(got, w0 + change, rtol=0, atol=0.02 * float(change.abs().max()))
+    # bfloat16: 2 bytes an element
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(o, 2, lambda name, a, b: m_n[name])
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])

@@ -410,13 +410,11 @@ class ABTraining(Method):
     @torch.no_grad()
     def _settle_tangent(self) -> None:
         """split="tangent", ending right after a decomposition: the groups hold U·σ | Vᵀ and U | σ·Vᵀ, whose
-        products differ in the last bits; every worker leaves with W = (U·σ)·Vᵀ of the one SVD they share."""
+        products differ in the last bits; every worker leaves with W = (U·σ)·Vᵀ of the one SVD they share
+        (the tangent merge of a phase in which neither group has changed W yet)."""
         for fp in self.records:
             if fp.name in self._bases and fp.mode == "lowrank":
-                u, s, vh = self._bases[fp.name]
-                fp.weight.copy_(((u * s) @ vh).reshape(fp.shape).to(fp.weight.dtype))
-                fp.A.grad = fp.B.grad = None
-                lowrank.set_mode([fp], "full")
+                lowrank.recompose(fp, self._bases[fp.name], torch.zeros_like(fp.weight))
         self._bases = {}
         lowrank.set_trainable(self.records, "full")
 
