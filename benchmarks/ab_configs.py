@@ -7,7 +7,8 @@
 Each (config, seed) runs as the `abtrain train` of the workload (same model, data, recipe,
 workers, groups and step budget as `abtrain bench`), one after another; a run whose
 results.json exists is reused, so an interrupted sweep continues where it stopped. Prints a
-table (mean over seeds, with the spread max - min) and writes JSON to OUT/ab_configs.json.
+table (mean over seeds, with the spread max - min, and each seed's value) and writes JSON to
+OUT/ab_configs.json.
 The first config is the reference for the "vs" columns.
 """
 import argparse
@@ -80,7 +81,7 @@ for name, flags in configs:
     ref_glob = [r["comm"]["by_scope"]["global"]["wire_bytes"] for r in refs]
     row = {
         "config": name, "flags": flags, "seeds": [s for s in seeds if (name, s) in results],
-        metric: stats(value), "global_wire_bytes": stats(glob), "total_wire_bytes": stats(total),
+        metric: stats(value), f"{metric}_per_seed": value, "global_wire_bytes": stats(glob), "total_wire_bytes": stats(total),
         "delta_vs_ref": stats([a - b for a, b in zip(value, ref_value)]) if refs else None,
         "global_share_of_ref": stats([a / b for a, b in zip(glob, ref_glob)]) if refs else None,
         "wall_seconds": stats([r["wall_seconds"] for r in runs]),
@@ -93,7 +94,8 @@ for name, flags in configs:
 unit = "ppl" if metric == "test_perplexity" else "%"
 scale = 1.0 if metric == "test_perplexity" else 100.0
 print(f"\n{workload.description}; seeds {args.seeds}; mean (spread max-min); reference {ref_name}")
-print(f"{'config':14} {metric:>18} {'vs ref':>16} {'global wire':>20} {'share of ref':>16} {'compression':>14}")
+print(f"{'config':14} {metric:>18} {'vs ref':>16} {'global wire':>20} {'share of ref':>16} {'compression':>14}"
+      f"  per seed")
 for r in rows:
     v, dv = r[metric]
     g, dg = r["global_wire_bytes"]
@@ -103,7 +105,7 @@ for r in rows:
     print(f"{r['config']:14} {scale * v:9.2f} {unit} ±{scale * dv:4.2f} "
           f"{(f'{scale * d[0]:+7.2f} ±{scale * d[1]:4.2f}') if d else '-':>16} "
           f"{g / 1e6:10.1f} MB ±{dg / 1e6:6.1f} {(f'{100 * sh[0]:6.2f}% ±{100 * sh[1]:4.2f}') if sh else '-':>16} "
-          f"{comp:>14}")
+          f"{comp:>14}  " + ", ".join(f"{scale * x:.{3 if unit == 'ppl' else 2}f}" for x in r[f"{metric}_per_seed"]))
 for r in rows:
     for seed, decomps in zip(r["seeds"], r["ranks"]):
         if decomps:
