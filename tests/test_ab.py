@@ -174,6 +174,9 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     # ranks at which body and body2's factors hold more numbers than W: their sync sends W's change (bfloat16)
     "tangent-change": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
                         "sync_dtype": "bf16", "sync_payload": "smaller"}, "sgd", 2 * K, False),
+    # the change of W sent as a rank-3 approximation with error feedback, three syncs, fp32 on the wire
+    "tangent-lowrank": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
+                         "sync_payload": "lowrank", "sync_rank": 3}, "sgd", 3 * K, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -440,6 +443,49 @@ def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors
         torch.testing.assert_close(got, w0 + change, rtol=0, atol=0.02 * float(change.abs().max()))
     # bfloat16: 2 bytes an element
     assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(o, 2, lambda name, a, b: m_n[name])
+
+
+def _tangent_changes(outs, name, i):
+    """Sync ``i`` of a tangent run, layer ``name``: each worker's share of the change, (A − Uσ)·Vᵀ / n_a from an
+    A-worker and U·(B − σVᵀ) / n_b from a B-worker (2 workers each), against the SVD its phase started from."""
+    start_step = T_W if i == 0 else outs[0]["syncs"][i - 1]["step"]  # each sync is followed by a decomposition
+    start = [next(s for s in o["steps"] if s["t"] == start_step)["after"] for o in outs]
+    a0, vh = start[0]["A"][name], start[0]["B"][name]
+    u, b0 = start[2]["A"][name], start[2]["B"][name]
+    shares = []
+    for k, o in enumerate(outs):
+        a, b = o["syncs"][i]["before"][name]
+        shares.append((a - a0) @ vh / 2 if k < 2 else u @ (b - b0) / 2)
+    return a0 @ vh, shares  # the phase's start: U·σ times Vᵀ
+
+
+def test_lowrank_sync_sends_a_rank_q_change_and_the_rest_later(runs):
+    """sync_payload="lowrank": each sync adds to W the projection of the summed change (plus what earlier syncs
+    left in the workers' memories) onto q directions, the same on every worker; what it leaves out is added
+    to the next sync's change; the sync sends P (m×q) and Q (n×q) per layer."""
+    outs = runs["tangent-lowrank"]
+    o, q = outs[0], 3
+    assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
+    for i in range(3):  # one model on every worker after each sync: W, the other parameters and the buffers
+        ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
+        for w in outs[1:]:
+            held = _tensors(w["syncs"][i]["after"])
+            assert all(torch.equal(held[k], v) for k, v in ref.items()), i
+    for name in o["syncs"][0]["before"]:
+        left = 0  # what the workers' memories hold, summed over them
+        for i in range(3):
+            w_start, shares = _tangent_changes(outs, name, i)
+            total = sum(shares) + left
+            added = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
+            assert torch.linalg.matrix_rank(added, atol=1e-5) <= q
+            basis = torch.linalg.svd(added, full_matrices=False)[0][:, :q]  # the q directions it chose
+            torch.testing.assert_close(added, basis @ (basis.T @ total), rtol=1e-4, atol=1e-5)
+            assert float((total - added).norm()) > 0.05 * float(total.norm())  # rank q leaves something out
+            left = total - added
+    m_n = {name: (m, n) for name, m, n in o["records"]}
+    assert all(q * (m + n) < m * n for m, n in m_n.values())
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(
+        o, 4, lambda name, a, b: q * sum(m_n[name]))
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])

@@ -17,8 +17,9 @@ from helpers import run_world
 # AB schedule: warm-up steps 0-1, AB 2-6, rebound 7-8, AB 9-11, rebound 12-13, AB 14-15.
 AB = dict(warmup_steps=2, cycle_steps=5, rebound_steps=2, lr_rebound_steps=3, rank_fraction=0.25)
 # ab: stop inside an AB phase (groups differ), and inside a rebound; ab-tangent: inside an AB phase, where the
-# next sync needs the SVD the factors started from
-STOPS = {"ddp": [5], "ab": [4, 8], "ab-tangent": [4]}
+# next sync needs the SVD the factors started from; ab-lowrank: between two syncs, whose second sends what the
+# first left in each worker's error memory
+STOPS = {"ddp": [5], "ab": [4, 8], "ab-tangent": [4], "ab-lowrank": [8]}
 
 
 def _cfg(fashion_dir, method, **kw):
@@ -28,6 +29,9 @@ def _cfg(fashion_dir, method, **kw):
         base.update(group_size=1, ab=ABConfig(**AB))
     if method == "ab-tangent":
         base.update(method="ab", group_size=1, ab=ABConfig(**AB, split="tangent", sync="only-learned"))
+    if method == "ab-lowrank":
+        base.update(method="ab", group_size=1, ab=ABConfig(**AB, split="tangent", sync="only-learned",
+                                                           sync_payload="lowrank", sync_rank=2))
     base.update(kw)
     return TrainConfig(**base)
 

@@ -181,7 +181,7 @@ FLAGS = {
     "--ab-optimizer-state", "--ab-init", "--ab-full-rank", "--ab-final-rebound-steps",
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank", "--ab-powersgd-dtype",
-    "--ab-sync-dtype", "--ab-sync-payload",
+    "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank",
     "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",

@@ -33,7 +33,7 @@ from ..reducers import WIRE_DTYPES, build_reducer
 from ..topology import Topology
 from .ab_config import ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
-from .ab_sync import average_models, full_rank_tensors
+from .ab_sync import ChangeCompressor, average_models, full_rank_tensors
 from .base import Method, optimizer_moments
 from .registry import MethodSpec, register
 
@@ -88,6 +88,8 @@ class ABTraining(Method):
         # optimizer_state="map": this worker's frozen factors as they were at the last sync, by layer
         self._frozen: dict[str, torch.Tensor] = {}
         self._bases: dict[str, lowrank.SVD] = {}  # split="tangent": the SVD each low-rank layer started from
+        # sync_payload="lowrank": the changes' error memories and warm-start Qs
+        self._compressor = ChangeCompressor(self.cfg.sync_rank) if self.cfg.sync_payload == "lowrank" else None
         if not self.cfg.needs_budget:
             self.set_total_steps(None)
 
@@ -340,7 +342,7 @@ class ABTraining(Method):
             changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
                                      in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
                                      one_group=self.train_group is self.topo.world and not self.cfg.independent,
-                                     as_change=self._send_as_change(low, bases))
+                                     as_change=self._send_as_change(low, bases), compressor=self._compressor)
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
@@ -351,12 +353,16 @@ class ABTraining(Method):
 
     def _send_as_change(self, low: list[lowrank.FactorizedParam],
                         bases: dict[str, lowrank.SVD]) -> dict[str, lowrank.SVD]:
-        """sync_payload="smaller": the tangent layers whose change of W (m·n numbers) is smaller than their
-        factors (r·(m + n)), with the SVD each started from."""
-        if self.cfg.sync_payload != "smaller":
+        """The tangent layers that send their change of W, with the SVD each started from: with
+        sync_payload="smaller" those whose change (m·n numbers) is smaller than their factors (r·(m + n));
+        with "lowrank" also every layer the compressor takes (q·(m + n) < m·n), whatever its rank, so that
+        what its memory holds is sent at a later sync."""
+        if self.cfg.sync_payload == "factors":
             return {}
+        compressor = self._compressor
         return {fp.name: bases[fp.name] for fp in low
-                if fp.name in bases and fp.m * fp.n < fp.rank * (fp.m + fp.n)}
+                if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n)
+                                         or (compressor is not None and compressor.takes(fp.m, fp.n)))}
 
     def in_consensus(self) -> bool:
         # Workers differ only while groups train apart: inside an AB phase after its first step.
@@ -437,7 +443,8 @@ class ABTraining(Method):
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
                 "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
-                "bases": {name: tuple(b) for name, b in self._bases.items()}}
+                "bases": {name: tuple(b) for name, b in self._bases.items()},
+                "sync_compressor": self._compressor.state_dict() if self._compressor is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
@@ -456,6 +463,8 @@ class ABTraining(Method):
         self.dense.load_state_dict(state["dense"])
         self._frozen = dict(state.get("frozen", {}))
         self._bases = {name: lowrank.SVD(*b) for name, b in state.get("bases", {}).items()}
+        if self._compressor is not None and state.get("sync_compressor") is not None:
+            self._compressor.load_state_dict(state["sync_compressor"])
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
         for fp in self.records:
             lowrank.set_mode([fp], fp.mode)

@@ -13,7 +13,7 @@ from ..validate import Options, opt
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
 SPLITS = ("sqrt", "sigma", "tangent")
-SYNC_PAYLOADS = ("factors", "smaller")
+SYNC_PAYLOADS = ("factors", "smaller", "lowrank")
 STATE_POLICIES = ("keep", "map", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
@@ -53,7 +53,8 @@ class ABConfig(Options):
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: A = U S, B = V^T on every worker (with only-b: A = U, B = S V^T, the trained factor); tangent: S in the factor each group trains (A = U S, B = V^T in A-groups; A = U, B = S V^T in B-groups), and with only-learned the sync adds each group's change to W instead of multiplying the factors (W = A V^T + U B - U S V^T)", choices=SPLITS)
-    sync_payload: str = opt("factors", "what the only-learned sync sends for each low-rank layer: its factors, or (smaller) whichever of the factors and W's change holds fewer numbers; the change, one m*n tensor, needs --ab-split tangent, whose merge adds the groups' changes to W, so with the other splits smaller sends the factors", choices=SYNC_PAYLOADS)
+    sync_payload: str = opt("factors", "what the only-learned sync sends for each low-rank layer: its factors, or (smaller) whichever of the factors and W's change holds fewer numbers; the change, one m*n tensor, needs --ab-split tangent, whose merge adds the groups' changes to W, so with the other splits smaller sends the factors; lowrank (needs --ab-split tangent): the change as a rank --ab-sync-rank approximation, P (m x q) and Q (n x q), with error feedback: what one sync leaves out a later one sends", choices=SYNC_PAYLOADS)
+    sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank (a layer whose q*(m+n) is not below m*n sends the smaller of its change and its factors)")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
@@ -95,6 +96,11 @@ class ABConfig(Options):
             raise ValueError("--ab-split tangent splits W differently in A- and B-groups, and with-stale averages each "
                              "group's untrained factor with the others' trained one: use --ab-sync only-learned "
                              "(or --ab-split sigma)")
+        if self.sync_rank < 1:
+            raise ValueError(f"--ab-sync-rank must be >= 1, got {self.sync_rank}")
+        if self.sync_payload == "lowrank" and (self.split != "tangent" or self.sync != "only-learned"):
+            raise ValueError("--ab-sync-payload lowrank sends each group's change of W, which only the tangent "
+                             "merge adds to the model: use it with --ab-split tangent --ab-sync only-learned")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
 
