@@ -69,13 +69,25 @@ def _moments(method, opt):
 def _tangent_first_sync(outs, name):
     """A tangent run's first sync, layer ``name``: W at the decomposition that started the phase (U·σ times Vᵀ),
     the change the tangent merge adds to it, (Ā − Uσ)·Vᵀ + U·(B̄ − σVᵀ), and the means Ā and B̄."""
-    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
     sync = [o["syncs"][0] for o in outs]
-    a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ (an A-worker)
-    u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ (a B-worker)
     a_mean = (sync[0]["before"][name][0] + sync[1]["before"][name][0]) / 2  # A over the A-groups
     b_mean = (sync[2]["before"][name][1] + sync[3]["before"][name][1]) / 2  # B over the B-groups
-    return a0 @ vh, (a_mean - a0) @ vh + u @ (b_mean - b0), a_mean, b_mean
+    w0, shares = _tangent_changes(outs, name, 0)
+    return w0, sum(shares), a_mean, b_mean
+
+
+def _tangent_changes(outs, name, i):
+    """Sync ``i`` of a tangent run, layer ``name``: W at the start of its phase (U·σ times Vᵀ) and each worker's
+    share of the change, (A − Uσ)·Vᵀ / n_a from an A-worker and U·(B − σVᵀ) / n_b from a B-worker (2 each)."""
+    start_step = T_W if i == 0 else outs[0]["syncs"][i - 1]["step"]  # each sync is followed by a decomposition
+    start = [next(s for s in o["steps"] if s["t"] == start_step)["after"] for o in outs]
+    a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ (an A-worker)
+    u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ (a B-worker)
+    shares = []
+    for k, o in enumerate(outs):
+        a, b = o["syncs"][i]["before"][name]
+        shares.append((a - a0) @ vh / 2 if k < 2 else u @ (b - b0) / 2)
+    return a0 @ vh, shares
 
 
 def _sync_payload(o, element_bytes, layer_numbers):
@@ -443,20 +455,6 @@ def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors
         torch.testing.assert_close(got, w0 + change, rtol=0, atol=0.02 * float(change.abs().max()))
     # bfloat16: 2 bytes an element
     assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(o, 2, lambda name, a, b: m_n[name])
-
-
-def _tangent_changes(outs, name, i):
-    """Sync ``i`` of a tangent run, layer ``name``: each worker's share of the change, (A − Uσ)·Vᵀ / n_a from an
-    A-worker and U·(B − σVᵀ) / n_b from a B-worker (2 workers each), against the SVD its phase started from."""
-    start_step = T_W if i == 0 else outs[0]["syncs"][i - 1]["step"]  # each sync is followed by a decomposition
-    start = [next(s for s in o["steps"] if s["t"] == start_step)["after"] for o in outs]
-    a0, vh = start[0]["A"][name], start[0]["B"][name]
-    u, b0 = start[2]["A"][name], start[2]["B"][name]
-    shares = []
-    for k, o in enumerate(outs):
-        a, b = o["syncs"][i]["before"][name]
-        shares.append((a - a0) @ vh / 2 if k < 2 else u @ (b - b0) / 2)
-    return a0 @ vh, shares  # the phase's start: U·σ times Vᵀ
 
 
 def test_lowrank_sync_sends_a_rank_q_change_and_the_rest_later(runs):
