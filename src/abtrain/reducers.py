@@ -164,8 +164,10 @@ class PowerSGDReducer(Reducer):
         """r for ``grad`` viewed m×n, or None when compression would not pay."""
         if grad.ndim == 0 or grad.numel() == 0:
             return None
-        m = grad.shape[0]
-        n = grad.numel() // m
+        return self.rank_for(grad.shape[0], grad.numel() // grad.shape[0])
+
+    def rank_for(self, m: int, n: int) -> int | None:
+        """r for an m×n matrix, or None when its P and Q would not be ``min_compression_rate`` times smaller."""
         r = min(m, n, self.rank)
         return r if (m + n) * r * self.min_compression_rate < m * n else None
 

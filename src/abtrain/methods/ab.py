@@ -29,11 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import lowrank
 from ..comm import Communicator
 from ..grad_buckets import OverlappedAverage
-from ..reducers import WIRE_DTYPES, build_reducer
+from ..reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
 from ..topology import Topology
 from .ab_config import ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
-from .ab_sync import ChangeCompressor, average_models, full_rank_tensors
+from .ab_sync import average_models, full_rank_tensors
 from .base import Method, optimizer_moments
 from .registry import MethodSpec, register
 
@@ -88,8 +88,10 @@ class ABTraining(Method):
         # optimizer_state="map": this worker's frozen factors as they were at the last sync, by layer
         self._frozen: dict[str, torch.Tensor] = {}
         self._bases: dict[str, lowrank.SVD] = {}  # split="tangent": the SVD each low-rank layer started from
-        # sync_payload="lowrank": the changes' error memories and warm-start Qs
-        self._compressor = ChangeCompressor(self.cfg.sync_rank) if self.cfg.sync_payload == "lowrank" else None
+        # sync_payload="lowrank": PowerSGD on the summed change of W, its error memories and warm-start Qs
+        self._compressor = (PowerSGDReducer(comm, rank=self.cfg.sync_rank, min_compression_rate=1.0,
+                                            orthogonalization_epsilon=1e-8, wire_dtype=self.wire_dtype)
+                            if self.cfg.sync_payload == "lowrank" else None)
         if not self.cfg.needs_budget:
             self.set_total_steps(None)
 
@@ -362,7 +364,7 @@ class ABTraining(Method):
         compressor = self._compressor
         return {fp.name: bases[fp.name] for fp in low
                 if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n)
-                                         or (compressor is not None and compressor.takes(fp.m, fp.n)))}
+                                         or (compressor is not None and compressor.rank_for(fp.m, fp.n) is not None))}
 
     def in_consensus(self) -> bool:
         # Workers differ only while groups train apart: inside an AB phase after its first step.
@@ -464,6 +466,9 @@ class ABTraining(Method):
         self._frozen = dict(state.get("frozen", {}))
         self._bases = {name: lowrank.SVD(*b) for name, b in state.get("bases", {}).items()}
         if self._compressor is not None and state.get("sync_compressor") is not None:
+            if "errors" not in state["sync_compressor"]:
+                raise ValueError("checkpoint holds the low-rank sync's memories in an earlier layout; "
+                                 "resume it with the abtrain that wrote it or start the run again")
             self._compressor.load_state_dict(state["sync_compressor"])
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
         for fp in self.records:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 from torch import nn
 
 from .. import lowrank
 from ..comm import Communicator, Group
+from ..reducers import PowerSGDReducer
 
 
 def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:
@@ -23,7 +22,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
                    rest: list[torch.Tensor], buffers: list[torch.Tensor], wire: torch.dtype | None, *,
                    in_a: bool, n_a: int, one_group: bool,
                    as_change: dict[str, lowrank.SVD] | None = None,
-                   compressor: ChangeCompressor | None = None) -> dict[str, torch.Tensor]:
+                   compressor: PowerSGDReducer | None = None) -> dict[str, torch.Tensor]:
     """Average the factors of the ``low`` layers and ``rest`` over ``world`` as the sync ``mode`` says.
 
     ``in_a``: this worker trained A; ``n_a``: workers that trained A; ``one_group``:
@@ -31,8 +30,8 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
     ``as_change`` (only-learned with the tangent split): the layers whose change of W is
     sent instead of their factors, each with the SVD (U, σ, Vᵀ) its phase started from.
     Returns those layers' summed changes of W (m×n), the same on every worker.
-    ``compressor``: the layers it takes send their change as a rank-q approximation with error
-    feedback (:class:`ChangeCompressor`) instead of in full.
+    ``compressor``: the layers it compresses send their change as a rank-q PowerSGD
+    approximation with error feedback instead of in full (see :func:`_average_learned`).
     """
     if mode == "with-stale":
         comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world, wire_dtype=wire)
@@ -54,7 +53,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
 def _average_learned(comm: Communicator, world: Group, low: list[lowrank.FactorizedParam],
                      rest: list[torch.Tensor], wire: torch.dtype | None, *, in_a: bool, n_a: int,
                      as_change: dict[str, lowrank.SVD],
-                     compressor: ChangeCompressor | None = None) -> dict[str, torch.Tensor]:
+                     compressor: PowerSGDReducer | None = None) -> dict[str, torch.Tensor]:
     """only-learned: mean of A over the A-groups, mean of B over the B-groups, the rest over everyone.
 
     One summed all-reduce (the bytes of with-stale): each worker contributes its
@@ -64,8 +63,15 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
     ((A − Uσ)·Vᵀ from an A-worker, U·(B − σVᵀ) from a B-worker, over the
     workers that trained it): one m×n tensor in place of two factors. The sum is
     the change the tangent merge adds to UσVᵀ; its factors are set to U·σ and
-    Vᵀ on every worker (the next decomposition replaces them). The layers the
-    ``compressor`` takes send that change in its own two all-reduces instead.
+    Vᵀ on every worker (the next decomposition replaces them).
+
+    The layers the ``compressor`` compresses send that change in its two
+    all-reduces instead: one step of PowerSGD's power iteration (Vogels et al.
+    2019) on the sum of the workers' shares, each share plus what earlier syncs
+    did not deliver (the worker's error memory, in W's coordinates, so it
+    survives changes of rank). Every worker adds the same rank-q result to W;
+    what one sync leaves out, a later one sends. The reducer averages, so each
+    share goes in multiplied by the world size and the average is the sum.
     """
     n_b = world.size - n_a
     contrib = []
@@ -74,8 +80,8 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
         if fp.name in as_change:
             u, s, vh = as_change[fp.name]
             change = (fp.A - u * s) @ vh / n_a if in_a else u @ (fp.B - s[:, None] * vh) / n_b
-            if compressor is not None and compressor.takes(fp.m, fp.n):
-                compressed[fp.name] = change
+            if compressor is not None and compressor.rank_for(fp.m, fp.n) is not None:
+                compressed[fp.name] = change.mul_(world.size)
             else:
                 contrib.append(change)
             continue
@@ -83,7 +89,9 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
         contrib.append(fp.B / n_b if not in_a else torch.zeros_like(fp.B))
     contrib += [t / world.size for t in rest]
     comm.all_reduce_tensors(contrib, world, average=False, wire_dtype=wire)
-    changes = compressor.reduce(comm, world, compressed, wire) if compressed else {}
+    if compressed:
+        compressor.reduce(list(compressed.items()), world)  # in place: each share becomes the summed change
+    changes = dict(compressed)
     received = iter(contrib)
     for fp in low:
         if fp.name in as_change:
@@ -98,65 +106,3 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
     for t, mean in zip(rest, received):
         t.copy_(mean)
     return changes
-
-
-class ChangeCompressor:
-    """The tangent sync's change of W sent as a rank-q approximation with error feedback.
-
-    One step of PowerSGD's power iteration (Vogels et al. 2019) on the sum of the
-    workers' changes M = Σ M_w, each M_w this worker's share of the change plus
-    what earlier syncs did not send (its memory): P = Σ M_w·Q over all workers,
-    P̂ its orthonormal basis, Q' = Σ M_wᵀ·P̂, and every worker adds P̂·Q'ᵀ, the
-    same everywhere, to W. Each worker keeps M_w − P̂·P̂ᵀ·M_w in its memory and
-    adds it to its next change, so what one sync leaves out a later one sends.
-    Q starts from a seeded random matrix, the same on every worker, and is
-    warm-started from the last sync's Q'. A layer is taken only where
-    q·(m + n) < m·n; the memory is in W's coordinates, so it survives changes
-    of rank; what is still in it after the run's last sync is not sent.
-    """
-
-    def __init__(self, rank: int, seed: int = 0) -> None:
-        if rank < 1:
-            raise ValueError(f"the sync's rank must be >= 1, got {rank}")
-        self.rank = rank
-        self.seed = seed
-        self.memory: dict[str, torch.Tensor] = {}
-        self.q: dict[str, torch.Tensor] = {}
-
-    def takes(self, m: int, n: int) -> bool:
-        """Whether an m×n layer's change is sent compressed: its P and Q hold fewer numbers than the change."""
-        q = min(self.rank, m, n)
-        return q * (m + n) < m * n
-
-    @torch.no_grad()
-    def reduce(self, comm: Communicator, world: Group, changes: dict[str, torch.Tensor],
-               wire: torch.dtype | None) -> dict[str, torch.Tensor]:
-        """Sum ``changes`` (name: this worker's m×n share) over ``world``, each as its rank-q approximation."""
-        names = sorted(changes)
-        full = [changes[name] + self.memory[name] if name in self.memory else changes[name] for name in names]
-        qs = [self._start(name, m) for name, m in zip(names, full)]
-        ps = [m @ q for m, q in zip(full, qs)]
-        comm.all_reduce_tensors(ps, world, average=False, wire_dtype=wire)
-        ps = [torch.linalg.qr(p).Q for p in ps]
-        qs = [m.T @ p for m, p in zip(full, ps)]
-        comm.all_reduce_tensors(qs, world, average=False, wire_dtype=wire)
-        out = {}
-        for name, m, p, q in zip(names, full, ps, qs):
-            out[name] = p @ q.T
-            self.memory[name] = m - p @ (p.T @ m)
-            self.q[name] = q.clone()
-        return out
-
-    def _start(self, name: str, m: torch.Tensor) -> torch.Tensor:
-        if name not in self.q:
-            # a seed from the layer's name, so every worker draws the same Q without a collective
-            g = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))
-            self.q[name] = torch.randn(m.shape[1], min(self.rank, *m.shape), generator=g).to(m.device, m.dtype)
-        return self.q[name]
-
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {"memory": dict(self.memory), "q": dict(self.q)}
-
-    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        self.memory = dict(state.get("memory", {}))
-        self.q = dict(state.get("q", {}))
