@@ -148,7 +148,9 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             loss.backward()
             opt.step()
             if sync_due:
-                out["syncs"].append({"step": method.t, **sync_due, "after": _snapshot(method, model)})
+                memory = method._compressor.errors if method._compressor is not None else {}  # lowrank payload
+                out["syncs"].append({"step": method.t, **sync_due, "after": _snapshot(method, model),
+                                     "memory": {k: v.clone() for k, v in memory.items()}})
                 sync_due.clear()
             out["steps"].append({"phase": phase, "t": method.t, "before": before, "after": _snapshot(method, model),
                                  "modes_before": modes_before,
@@ -189,6 +191,10 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     # the change of W sent as a rank-3 approximation with error feedback, three syncs, fp32 on the wire
     "tangent-lowrank": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
                          "sync_payload": "lowrank", "sync_rank": 3}, "sgd", 3 * K, False),
+    # the same in bfloat16: the rounding of P and Q' goes into the error memories
+    "tangent-lowrank-bf16": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
+                              "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_dtype": "bf16"},
+                             "sgd", 3 * K, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -461,8 +467,21 @@ def test_lowrank_sync_sends_a_rank_q_change_and_the_rest_later(runs):
     """sync_payload="lowrank": each sync adds to W the projection of the summed change (plus what earlier syncs
     left in the workers' memories) onto q directions, the same on every worker; what it leaves out is added
     to the next sync's change; the sync sends P (m×q) and Q (n×q) per layer."""
-    outs = runs["tangent-lowrank"]
-    o, q = outs[0], 3
+    _check_lowrank_syncs(runs["tangent-lowrank"], q=3, element_bytes=4, projected=True)
+
+
+def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_later(runs):
+    """sync_payload="lowrank" with sync_dtype="bf16": every worker still ends each sync with the same model; what
+    arrives is no longer the exact projection of the summed change, and the memories keep the difference, rounding
+    included; P and Q take 2 bytes an element."""
+    _check_lowrank_syncs(runs["tangent-lowrank-bf16"], q=3, element_bytes=2, projected=False)
+
+
+def _check_lowrank_syncs(outs, q, element_bytes, projected):
+    """Three lowrank syncs: one model on every worker after each, rank ≤ q added to W, the workers' memories
+    averaging to what the sync left out of the summed change plus the memories before it, and the sync's bytes
+    (P and Q per layer); ``projected``: what was added is the exact projection onto its q directions."""
+    o = outs[0]
     assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
     for i in range(3):  # one model on every worker after each sync: W, the other parameters and the buffers
         ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
@@ -470,20 +489,26 @@ def test_lowrank_sync_sends_a_rank_q_change_and_the_rest_later(runs):
             held = _tensors(w["syncs"][i]["after"])
             assert all(torch.equal(held[k], v) for k, v in ref.items()), i
     for name in o["syncs"][0]["before"]:
-        left = 0  # what the workers' memories hold, summed over them
+        left = 0  # the average of the workers' memories
         for i in range(3):
             w_start, shares = _tangent_changes(outs, name, i)
             total = sum(shares) + left
             added = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
             assert torch.linalg.matrix_rank(added, atol=1e-5) <= q
             basis = torch.linalg.svd(added, full_matrices=False)[0][:, :q]  # the q directions it chose
-            torch.testing.assert_close(added, basis @ (basis.T @ total), rtol=1e-4, atol=1e-5)
+            projection = basis @ (basis.T @ total)
+            tol = {"rtol": 1e-4, "atol": 1e-4 * float(total.abs().max())}  # fp32 arithmetic on the change's scale
+            if projected:
+                torch.testing.assert_close(added, projection, **tol)
+            else:  # bfloat16's rounding of P and Q' moved it off the projection
+                assert not torch.allclose(added, projection, **tol)
             assert float((total - added).norm()) > 0.05 * float(total.norm())  # rank q leaves something out
-            left = total - added
+            left = torch.stack([w["syncs"][i]["memory"][name] for w in outs]).mean(0)
+            torch.testing.assert_close(left, total - added, **tol)  # kept for the next sync
     m_n = {name: (m, n) for name, m, n in o["records"]}
     assert all(q * (m + n) < m * n for m, n in m_n.values())
     assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(
-        o, 4, lambda name, a, b: q * sum(m_n[name]))
+        o, element_bytes, lambda name, a, b: q * sum(m_n[name]))
 
 
 @pytest.mark.parametrize("mode", ["only-learned", "full"])
