@@ -62,6 +62,7 @@ class ABTraining(Method):
         self.rule = self.cfg.rank_rule()
         self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank,
                                    powersgd_dtype=self.cfg.powersgd_dtype)
+        self.plain = build_reducer("fp32", comm)  # the first dense_start_steps steps
         self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
         self.wire_dtype = WIRE_DTYPES[self.cfg.sync_dtype]
         num_a_groups = max(1, topo.num_groups // 2)
@@ -179,8 +180,9 @@ class ABTraining(Method):
         if self.phase == "ab":
             self.overlap.finish()  # idle when the workers train alone (independent)
         else:
-            self.dense.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
-                              self.topo.world)
+            reducer = self.plain if self.t < self.cfg.dense_start_steps else self.dense
+            reducer.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
+                           self.topo.world)
 
     def _watch_gradients(self) -> None:
         """Arm the in-group averaging for the coming step when it is an AB step (its trained tensors may be new)."""

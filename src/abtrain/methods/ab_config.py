@@ -59,6 +59,7 @@ class ABConfig(Options):
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("powersgd", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
+    dense_start_steps: int = opt(0, "the run's first N steps average their gradients uncompressed in fp32 before --ab-dense-comm takes over (PowerSGD's start iteration: the early, large gradients sent whole)")
     powersgd_rank: int = opt(8, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
@@ -66,7 +67,7 @@ class ABConfig(Options):
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
     def check(self) -> None:
-        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps"):
+        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps", "dense_start_steps"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
