@@ -285,7 +285,17 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
         agent = _make_agent(cfg, run_dir, resume, tmp, board, start_method)
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
             logging.getLogger(name).setLevel(logging.CRITICAL)
-        result = agent.run()
+        # As torch's launcher does, the rendezvous is closed (its heartbeats stopped) unless a signal ended the
+        # agent. Left open, its threads meet the interpreter's shutdown and can abort a launcher whose run finished.
+        rendezvous = agent.get_worker_group().spec.rdzv_handler
+        try:
+            result = agent.run()
+        except SignalException:
+            raise
+        except BaseException:
+            rendezvous.shutdown()
+            raise
+        rendezvous.shutdown()
         if result.is_failed():
             _failed(result.failures, run_dir, board, agent.signalled)
     except SignalException as exc:
