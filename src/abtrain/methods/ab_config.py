@@ -59,7 +59,7 @@ class ABConfig(Options):
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("powersgd", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
-    dense_start_steps: int = opt(0, "the run's first N steps average their gradients uncompressed in fp32 before --ab-dense-comm takes over (PowerSGD's start iteration: the early, large gradients sent whole)")
+    dense_start_steps: int = opt(0, "warm-up and rebound steps among the run's first N average their gradients uncompressed in fp32, later ones through --ab-dense-comm (PowerSGD's start iteration: the early, large gradients sent whole); AB steps are unaffected")
     powersgd_rank: int = opt(8, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
