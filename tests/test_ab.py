@@ -642,3 +642,13 @@ def test_a_ddp_wrapped_model_is_unwrapped_and_trains(runs):
     for k, v in outs[0]["weights"].items():  # the run ends with a sync: one model everywhere
         for o in outs[1:]:
             assert torch.equal(v, o["weights"][k]), k
+
+
+def test_a_checkpoint_with_the_earlier_lowrank_memory_layout_is_refused():
+    cfg = ABConfig(warmup_steps=1, cycle_steps=3, split="tangent", sync="only-learned", sync_payload="lowrank")
+    method = ABTraining(Communicator(), Topology(rank=0, world_size=4, local_world_size=4, group_size=2), cfg)
+    state = method.state_dict()
+    method.load_state_dict(state)  # the reducer's own layout loads
+    state["sync_compressor"] = {"memory": {}, "q": {}}
+    with pytest.raises(ValueError, match="earlier layout"):
+        method.load_state_dict(state)
