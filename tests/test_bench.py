@@ -267,10 +267,10 @@ def test_net_spec_parsing():
 
 # -- the node layout: bytes on the links between nodes ------------------------------
 
-def _row(op, scope, payload, p, calls=1):
+def _row(op, scope, payload, p, calls=1, dtype="float32"):
     from abtrain.comm import wire_bytes
     return {"op": op, "scope": scope, "phase": "train", "calls": calls, "payload_bytes": payload,
-            "wire_bytes": wire_bytes(op, payload, p)}
+            "wire_bytes": wire_bytes(op, payload, p), "group_size": p, "dtype": dtype}
 
 
 def test_expected_link_bytes_on_hand_computed_numbers():
@@ -297,6 +297,68 @@ def test_expected_link_bytes_on_hand_computed_numbers():
                                   "tx_packets": [2000, 2000]})
     assert packed["ratio"] == pytest.approx(862 / 730) and not packed["within_tolerance"]
     assert packed["payload_tx_bytes"] == [760_000, 700_000] and packed["payload_ratio"] == pytest.approx(1.0)
+
+
+def test_gloo_framing_on_hand_computed_numbers():
+    from abtrain.bench.linkbytes import FRAME_BYTES, gloo_framing_tx, link_check, ring_allreduce_messages
+    assert FRAME_BYTES == 144  # three 48-byte preambles per message
+    # Ring all-reduce at p = 4: 8 segments, 6 sent in each half; 1 MiB segments beyond 8 MiB (40 MiB: 40 segments).
+    assert ring_allreduce_messages(4_000, 4, 4) == ring_allreduce_messages(8 << 20, 2, 4) == 12
+    assert ring_allreduce_messages(40 << 20, 4, 4) == 60
+    # One element: 3 hops to reduce it and 3 to hand it round, 6 messages over 4 workers.
+    assert ring_allreduce_messages(4, 4, 4) == 1.5 and ring_allreduce_messages(4_000, 4, 1) == 0
+    rows = [_row("all_reduce", "global", 400_000, 4, calls=10), _row("broadcast", "global", 100_000, 4),
+            _row("all_gather", "global", 10_000, 4), _row("all_to_all", "global", 8_000, 4, calls=2),
+            _row("all_reduce", "group", 200_000, 2)]
+    # 2 nodes of 2: all-reduce 2 ring edges x 10 calls x 12; broadcast 2 receivers outside node 0; all-gather
+    # 2 edges x 6 halves; all-to-all 4 workers x 2 peers on the other node x 2 calls; the group stays inside.
+    assert gloo_framing_tx(rows, 4, 2) == 144 * (240 + 2 + 12 + 16)
+    # One worker per node: every ring edge crosses (4 per ring), the broadcast reaches 3, the all-to-all 4 x 3 x 2,
+    # and the 2 groups' rings of 2 (4 segments, 2 sent in each half) cross too: 4 edges x 4 messages.
+    assert gloo_framing_tx(rows, 4, 1) == 144 * (480 + 3 + 24 + 24 + 4 * 4)
+    results = {"world_size": 4, "comm": {"rows": rows, "wire_bytes": 0, "by_scope": {"global": {"wire_bytes": 1}}}}
+    check = link_check(results, {"layout": "node", "node_size": 2, "tx_bytes": [10**6, 10**6],
+                                 "tx_packets": [0, 0]})
+    assert check["framing_tx_bytes"] == 144 * 270 / 2
+    assert check["framed_payload_ratio"] == pytest.approx(10**6 / (check["expected_tx_bytes"] + 144 * 135))
+
+
+_FRAMING_OPS = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for _ in range(300):
+    dist.all_reduce(torch.ones(1_000))                   # 4 kB: 12 messages per ring edge
+for _ in range(100):
+    dist.all_gather([torch.empty(500) for _ in range(4)], torch.ones(500))
+    dist.all_to_all_single(torch.empty(2_000), torch.ones(2_000))
+dist.destroy_process_group()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(300)
+def test_node_payload_is_the_counted_data_plus_gloo_framing():
+    """Many small collectives between 2 nodes: the TCP payload is the expected data plus gloo's 144 B per message."""
+    from abtrain.bench.linkbytes import HEADER_BYTES, expected_link_tx, gloo_framing_tx
+    with netns.Network(4, netns.NetSpec.parse("rate=1gbit"), node_size=2) as net:
+        before = net.counters()
+        procs = [subprocess.Popen(net.exec_prefix(k) + [sys.executable, "-c", _FRAMING_OPS],
+                                  env={**os.environ, "RANK": str(k), "WORLD_SIZE": "4", "MASTER_ADDR": net.address(0),
+                                       "MASTER_PORT": "29535", "GLOO_SOCKET_IFNAME": netns.IFNAME,
+                                       "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL) for k in range(4)]
+        assert [p.wait(timeout=240) for p in procs] == [0] * 4
+        after = net.counters()
+    payload = sum(a["tx_bytes"] - b["tx_bytes"] - HEADER_BYTES * (a["tx_packets"] - b["tx_packets"])
+                  for a, b in zip(after, before))
+    rows = [_row("all_reduce", "global", 4_000 * 300, 4, calls=300),
+            _row("all_gather", "global", 2_000 * 100, 4, calls=100),
+            _row("all_to_all", "global", 8_000 * 100, 4, calls=100)]
+    data, framing = expected_link_tx(rows, 4, 2), gloo_framing_tx(rows, 4, 2)
+    print(f"\nnode payload {payload} B: data {data:.0f} + gloo framing {framing:.0f} (ring set-up and the store "
+          f"on top)", file=sys.stderr)
+    # Both nodes: data 6.40 MB, framing 1.32 MB; leaving the framing out would be 17 % short. Connecting the
+    # workers and the rendezvous store add about 10 kB.
+    assert data + framing <= payload <= (data + framing) * 1.01 + 10_000
 
 
 _TCP_SINK = """
