@@ -299,6 +299,19 @@ def test_expected_link_bytes_on_hand_computed_numbers():
     assert packed["payload_tx_bytes"] == [760_000, 700_000] and packed["payload_ratio"] == pytest.approx(1.0)
 
 
+def _four_workers_in_two_nodes(script: str, spec: str, port: int) -> list[dict[str, int]]:
+    """Run ``script`` as a 4-worker gloo world in 2 nodes of 2; each node's interface counters, after less before."""
+    with netns.Network(4, netns.NetSpec.parse(spec), node_size=2) as net:
+        before = net.counters()
+        procs = [subprocess.Popen(net.exec_prefix(k) + [sys.executable, "-c", script],
+                                  env={**os.environ, "RANK": str(k), "WORLD_SIZE": "4", "MASTER_ADDR": net.address(0),
+                                       "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": netns.IFNAME,
+                                       "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL) for k in range(4)]
+        assert [p.wait(timeout=240) for p in procs] == [0] * 4
+        after = net.counters()
+    return [{k: a[k] - b[k] for k in ("tx_bytes", "tx_packets")} for a, b in zip(after, before)]
+
+
 def test_gloo_framing_on_hand_computed_numbers():
     from abtrain.bench.linkbytes import FRAME_BYTES, gloo_framing_tx, link_check, ring_allreduce_messages
     assert FRAME_BYTES == 144  # three 48-byte preambles per message
@@ -340,16 +353,8 @@ dist.destroy_process_group()
 def test_node_payload_is_the_counted_data_plus_gloo_framing():
     """Many small collectives between 2 nodes: the TCP payload is the expected data plus gloo's 144 B per message."""
     from abtrain.bench.linkbytes import HEADER_BYTES, expected_link_tx, gloo_framing_tx
-    with netns.Network(4, netns.NetSpec.parse("rate=1gbit"), node_size=2) as net:
-        before = net.counters()
-        procs = [subprocess.Popen(net.exec_prefix(k) + [sys.executable, "-c", _FRAMING_OPS],
-                                  env={**os.environ, "RANK": str(k), "WORLD_SIZE": "4", "MASTER_ADDR": net.address(0),
-                                       "MASTER_PORT": "29535", "GLOO_SOCKET_IFNAME": netns.IFNAME,
-                                       "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL) for k in range(4)]
-        assert [p.wait(timeout=240) for p in procs] == [0] * 4
-        after = net.counters()
-    payload = sum(a["tx_bytes"] - b["tx_bytes"] - HEADER_BYTES * (a["tx_packets"] - b["tx_packets"])
-                  for a, b in zip(after, before))
+    sent = _four_workers_in_two_nodes(_FRAMING_OPS, "rate=1gbit", 29535)
+    payload = sum(d["tx_bytes"] - HEADER_BYTES * d["tx_packets"] for d in sent)
     rows = [_row("all_reduce", "global", 4_000 * 300, 4, calls=300),
             _row("all_gather", "global", 2_000 * 100, 4, calls=100),
             _row("all_to_all", "global", 8_000 * 100, 4, calls=100)]
@@ -422,14 +427,7 @@ dist.destroy_process_group()
 @pytest.mark.timeout(300)
 def test_gloo_sends_what_the_link_model_expects_between_nodes():
     """gloo's ring all-reduce crosses each node's link once; its broadcast leaves the root's node only."""
-    with netns.Network(4, netns.NetSpec.parse("rate=2gbit"), node_size=2) as net:
-        before = net.counters()
-        procs = [subprocess.Popen(net.exec_prefix(k) + [sys.executable, "-c", _OPS],
-                                  env={**os.environ, "RANK": str(k), "WORLD_SIZE": "4", "MASTER_ADDR": net.address(0),
-                                       "MASTER_PORT": "29533", "GLOO_SOCKET_IFNAME": netns.IFNAME,
-                                       "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL) for k in range(4)]
-        assert [p.wait(timeout=240) for p in procs] == [0] * 4
-        tx = [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(net.counters(), before)]
+    tx = [d["tx_bytes"] for d in _four_workers_in_two_nodes(_OPS, "rate=2gbit", 29533)]
     print(f"\nnode tx: {tx} (all-reduce 8 MB: 1.5 x 8 MB per node expected; broadcast 4 MB: 2 x 4 MB from node 0)",
           file=sys.stderr)
     assert tx[1] == pytest.approx(1.5 * 8e6, rel=0.05)  # node 1: its ring share of the all-reduce only

@@ -50,6 +50,7 @@ to it: a shaped link that drops packets makes TCP resend them, and those bytes a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,6 +62,18 @@ TOLERANCE = 0.10  # measured / expected within ±10 %
 HEADER_BYTES = 66  # Ethernet + IPv4 + TCP with timestamps, per packet the interface counts
 FRAME_BYTES = 3 * 48  # gloo's TCP preambles per message: send notice + data preamble one way, recv notice back
 _GLOO_MAX_SEGMENT = 1 << 20  # gloo's ring all-reduce: largest segment one message carries
+
+
+def _crossing_rows(rows: list[dict[str, Any]], world: int, g: int) -> Iterator[tuple[dict[str, Any], int]]:
+    """The ledger rows that sent something over groups larger than a node of ``g`` workers, with that size.
+
+    A group that sits inside one node (groups are nodes) is seen by the node's loopback only.
+    """
+    for row in rows:
+        if row["calls"] > 0 and row["payload_bytes"] > 0:
+            p = row_group_size(row, world)
+            if p > g:
+                yield row, p
 
 
 def _element_size(dtype: str) -> int:
@@ -98,12 +111,7 @@ def gloo_framing_tx(rows: list[dict[str, Any]], world: int, node_size: int) -> f
     """
     g = max(1, node_size)
     messages = 0.0
-    for row in rows:
-        if row["calls"] == 0 or row["payload_bytes"] <= 0:
-            continue
-        p = row_group_size(row, world)
-        if p <= g:
-            continue
+    for row, p in _crossing_rows(rows, world, g):
         instances = world / p
         calls = row["calls"]
         if row["op"] == "all_reduce":
@@ -124,12 +132,7 @@ def expected_link_tx(rows: list[dict[str, Any]], world: int, node_size: int) -> 
     """Bytes all node interfaces together send for a run's ledger ``rows`` (per-worker means, summed over calls)."""
     g = max(1, node_size)
     total = 0.0
-    for row in rows:
-        if row["calls"] == 0 or row["payload_bytes"] <= 0:
-            continue
-        p = row_group_size(row, world)
-        if p <= g:
-            continue  # the group sits inside one node (groups are nodes): only the node's loopback sees it
+    for row, p in _crossing_rows(rows, world, g):
         instances = world / p  # the group's copies over the world (one for the world itself)
         if row["op"] in ("all_reduce", "all_gather", "reduce_scatter"):
             total += (world / g) * row["wire_bytes"]  # every node sends one worker's ring share
