@@ -334,6 +334,13 @@ def test_gloo_framing_on_hand_computed_numbers():
                                  "tx_packets": [0, 0]})
     assert check["framing_tx_bytes"] == 144 * 270 / 2
     assert check["framed_payload_ratio"] == pytest.approx(10**6 / (check["expected_tx_bytes"] + 144 * 135))
+    # A reduce-scatter between nodes leaves the framing unknown; inside a node it crosses nothing.
+    assert gloo_framing_tx(rows + [_row("reduce_scatter", "global", 40_000, 4)], 4, 2) is None
+    assert gloo_framing_tx(rows + [_row("reduce_scatter", "group", 40_000, 2)], 4, 2) == 144 * 270
+    results["comm"]["rows"] = rows + [_row("reduce_scatter", "global", 40_000, 4)]
+    check = link_check(results, {"layout": "node", "node_size": 2, "tx_bytes": [10**6, 10**6],
+                                 "tx_packets": [0, 0]})
+    assert check["framing_tx_bytes"] is None and check["framed_payload_ratio"] is None
 
 
 _FRAMING_OPS = """
