@@ -35,7 +35,8 @@ per call at p = 4 below 8 MiB: 1,728 bytes per node per call, measured 1,736; th
 each worker's contribution in two halves, 2(p−1) messages per ring edge (864 bytes at p = 4,
 measured 868); the broadcast and the all-to-all one message per pair of workers on different nodes
 (measured 200 and 580 bytes against 192 and 576). The reduce-scatter (no method uses it) is not
-modelled: where one crosses a node link the framing is left unknown (``None``), not counted as none. For a run of many small collectives this is several per cent of the data:
+modelled: where one crosses a node link the framing is left unknown (``None``), not counted as
+none. For a run of many small collectives this is several per cent of the data:
 :func:`gloo_framing_tx` sets it next to the expected data, and the check itself stays against the
 data the ledger counts.
 
@@ -107,11 +108,14 @@ def ring_allreduce_messages(nbytes: int, element_size: int, p: int) -> float:
 def gloo_framing_tx(rows: list[dict[str, Any]], world: int, node_size: int) -> float | None:
     """Bytes of gloo's message framing all node interfaces together send for a run's ledger ``rows``.
 
-    ``None`` when a reduce-scatter crosses a node link: its messages are not modelled.
+    ``None`` when it cannot be known: a reduce-scatter crosses a node link (its messages are not
+    modelled), or a row does not say its dtype (results written before rows carried one).
 
     Each row's calls are taken at the row's mean size (exact when its calls have one size, and for the
     all-reduce whenever every call has at least 2p elements and at most 1 MiB per segment).
     """
+    if not all("dtype" in row for row in rows):
+        return None
     g = max(1, node_size)
     messages = 0.0
     for row, p in _crossing_rows(rows, world, g):
@@ -162,7 +166,7 @@ def link_check(results: dict[str, Any], measured: dict[str, Any]) -> dict[str, A
     # What the ledger calls traffic between nodes: `global` when groups are nodes, everything when each worker is one.
     ledger = comm["by_scope"]["global"]["wire_bytes"] if node_size > 1 else comm["wire_bytes"]
     ratio = mean_tx / expected if expected > 0 else None
-    framing = gloo_framing_tx(comm["rows"], world, node_size) if all("dtype" in r for r in comm["rows"]) else None
+    framing = gloo_framing_tx(comm["rows"], world, node_size)
     framing = framing / nodes if framing is not None else None
     check = {"layout": measured.get("layout", "worker"), "node_size": node_size, "nodes": nodes,
              "tx_bytes_mean": mean_tx, "expected_tx_bytes": expected, "framing_tx_bytes": framing,
