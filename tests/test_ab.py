@@ -196,6 +196,14 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "tangent-lowrank-bf16": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                               "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_dtype": "bf16"},
                              "sgd", 3 * K, False),
+    # the same with sync_flush in a planned run: its last sync (step 3K, the run's end) sends the change whole
+    "tangent-lowrank-flush": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
+                               "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_flush": True},
+                              "sgd", 3 * K, True),
+    # an unplanned run ending 2 steps into an AB phase: the sync that leaving attach() adds is the last one
+    "tangent-lowrank-flush-end": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
+                                   "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
+                                   "sync_flush": True}, "sgd", 2 * K + 2, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -505,6 +513,63 @@ def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_la
     arrives is no longer the exact projection of the summed change, and the memories keep the difference, rounding
     included; P and Q take 2 bytes an element."""
     _check_lowrank_syncs(runs["tangent-lowrank-bf16"], q=3, element_bytes=2, projected=False)
+
+
+def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs):
+    """sync_flush in a planned run: the syncs before the last send rank-q changes and keep the rest in the
+    memories; the last one (the run's end) adds to W the exact summed change plus the memories' average, empties
+    the memories, and sends m·n numbers a layer where the others send P and Q."""
+    outs = runs["tangent-lowrank-flush"]
+    o, q = outs[0], 3
+    assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
+    for i in range(3):
+        ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
+        for w in outs[1:]:
+            held = _tensors(w["syncs"][i]["after"])
+            assert all(torch.equal(held[k], v) for k, v in ref.items()), i
+    for name in o["syncs"][0]["before"]:
+        left = 0
+        for i in range(3):
+            w_start, shares = _tangent_changes(outs, name, i)
+            total = sum(shares) + left
+            added = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
+            tol = {"rtol": 1e-4, "atol": 1e-4 * float(total.abs().max())}
+            if i < 2:
+                assert torch.linalg.matrix_rank(added, atol=1e-5) <= q
+                assert float((total - added).norm()) > 0.05 * float(total.norm())  # something left for later
+                left = torch.stack([w["syncs"][i]["memory"][name] for w in outs]).mean(0)
+            else:
+                torch.testing.assert_close(added, total, **tol)  # everything, the memories included
+                assert all(name not in w["syncs"][i]["memory"] for w in outs)
+    m_n = {name: (m, n) for name, m, n in o["records"]}
+    assert all(q * (m + n) < m * n for m, n in m_n.values())
+    compressed = _sync_payload({**o, "syncs": o["syncs"][:2]}, 4, lambda name, a, b: q * sum(m_n[name]))
+    whole = _sync_payload({**o, "syncs": o["syncs"][2:], "ranks_log": []}, 4,
+                          lambda name, a, b: m_n[name][0] * m_n[name][1])
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == compressed + whole
+
+
+def test_lowrank_sync_flush_at_the_end_of_an_unplanned_run(runs):
+    """sync_flush in a run of unknown length: its scheduled syncs stay compressed; the sync that ends the run
+    inside an AB phase (leaving attach()) adds the exact change of its last steps plus the memories' average,
+    the same W on every worker."""
+    outs = runs["tangent-lowrank-flush-end"]
+    o = outs[0]
+    assert [s["step"] for s in o["syncs"]] == [K, 2 * K]
+    assert all(name in w["syncs"][1]["memory"] for w in outs for name in o["syncs"][1]["before"])
+    start = [next(s for s in w["steps"] if s["t"] == 2 * K)["after"] for w in outs]
+    end = [w["steps"][-1]["after"] for w in outs]
+    for name in o["syncs"][1]["before"]:
+        a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ (an A-worker)
+        u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ (a B-worker)
+        change = sum((e["A"][name] - a0) @ vh / 2 for e in end[:2]) + sum(u @ (e["B"][name] - b0) / 2 for e in end[2:])
+        left = torch.stack([w["syncs"][1]["memory"][name] for w in outs]).mean(0)
+        expected = a0 @ vh + change + left
+        got = o["final"]["W"][name].reshape(expected.shape)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float((change + left).abs().max()))
+        assert not torch.allclose(got, a0 @ vh + change, atol=1e-3)  # the memories were sent too
+        for w in outs[1:]:
+            assert torch.equal(w["final"]["W"][name], o["final"]["W"][name])
 
 
 def _check_lowrank_syncs(outs, q, element_bytes, projected):

@@ -327,7 +327,8 @@ class ABTraining(Method):
         return against
 
     @torch.no_grad()
-    def _sync(self, optimizer: torch.optim.Optimizer) -> None:
+    def _sync(self, optimizer: torch.optim.Optimizer, last: bool = False) -> None:
+        """Average the groups into one model; ``last``: no sync follows in this run."""
         start = time.perf_counter()
         low = [fp for fp in self.records if fp.mode == "lowrank"]
         if self.cfg.optimizer_state == "map":
@@ -346,7 +347,8 @@ class ABTraining(Method):
             changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
                                      in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
                                      one_group=self.train_group is self.topo.world and not self.cfg.independent,
-                                     as_change=self._send_as_change(low, bases), compressor=self._compressor)
+                                     as_change=self._send_as_change(low, bases), compressor=self._compressor,
+                                     flush=self.cfg.sync_flush and (last or self._last_sync()))
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
@@ -354,6 +356,11 @@ class ABTraining(Method):
             self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
+
+    def _last_sync(self) -> bool:
+        """True when no AB step, hence no sync, follows step ``t`` in a run of known length."""
+        sched = self._sched()
+        return sched.total is not None and all(sched.phase_at(s) != "ab" for s in range(self.t, sched.total))
 
     def _send_as_change(self, low: list[lowrank.FactorizedParam],
                         bases: dict[str, lowrank.SVD]) -> dict[str, lowrank.SVD]:
@@ -412,7 +419,7 @@ class ABTraining(Method):
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         """End inside an AB phase with a last sync, so that every worker holds the same full-rank model."""
         if not self.in_consensus():
-            self._sync(optimizer)
+            self._sync(optimizer, last=True)
             self._switch_step = self.t
         elif self._bases and self.phase == "ab":
             self._settle_tangent()
