@@ -103,6 +103,9 @@ class ABConfig(Options):
         if self.sync_payload == "lowrank" and (self.split != "tangent" or self.sync != "only-learned"):
             raise ValueError("--ab-sync-payload lowrank sends each group's change of W, which only the tangent "
                              "merge adds to the model: use it with --ab-split tangent --ab-sync only-learned")
+        if self.sync_flush and self.sync_payload != "lowrank":
+            raise ValueError("--ab-sync-flush sends what the error memories of --ab-sync-payload lowrank hold; "
+                             f"it needs --ab-sync-payload lowrank (got {self.sync_payload})")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
 
