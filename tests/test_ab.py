@@ -81,14 +81,27 @@ def _tangent_changes(outs, name, i):
     """Sync ``i`` of a tangent run, layer ``name``: W at the start of its phase (U·σ times Vᵀ) and each worker's
     share of the change, (A − Uσ)·Vᵀ / n_a from an A-worker and U·(B − σVᵀ) / n_b from a B-worker (2 each)."""
     start_step = T_W if i == 0 else outs[0]["syncs"][i - 1]["step"]  # each sync is followed by a decomposition
+    return _tangent_shares(outs, name, start_step, [o["syncs"][i]["before"][name] for o in outs])
+
+
+def _tangent_shares(outs, name, start_step, factors):
+    """Layer ``name`` of a tangent run whose phase started at ``start_step``: W then (U·σ times Vᵀ) and each
+    worker's share of the change its ``factors`` (A, B) made to it since (the 2 A-workers first)."""
     start = [next(s for s in o["steps"] if s["t"] == start_step)["after"] for o in outs]
     a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ (an A-worker)
     u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ (a B-worker)
-    shares = []
-    for k, o in enumerate(outs):
-        a, b = o["syncs"][i]["before"][name]
-        shares.append((a - a0) @ vh / 2 if k < 2 else u @ (b - b0) / 2)
+    shares = [(a - a0) @ vh / 2 if k < 2 else u @ (b - b0) / 2 for k, (a, b) in enumerate(factors)]
     return a0 @ vh, shares
+
+
+def _one_model_after_each_sync(outs, syncs):
+    """After each of the first ``syncs`` syncs every worker holds the same W, other parameters and buffers
+    (the factors of the decomposition that follows are each group's own split)."""
+    for i in range(syncs):
+        ref = {k: v for k, v in _tensors(outs[0]["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
+        for w in outs[1:]:
+            held = _tensors(w["syncs"][i]["after"])
+            assert all(torch.equal(held[k], v) for k, v in ref.items()), i
 
 
 def _sync_payload(o, element_bytes, layer_numbers):
@@ -486,12 +499,8 @@ def test_tangent_sync_sends_the_change_of_w_where_it_is_smaller_than_the_factors
     m_n = {name: m * n for name, m, n in o["records"]}
     # at rank 30 of 40, A and B hold 2640 numbers, W 1920: every factorised layer sends its change
     assert all(m_n[name] < a.numel() + b.numel() for s in o["syncs"] for name, (a, b) in s["before"].items())
-    for i, t in enumerate((K, 2 * K)):
-        # W, the other parameters and the buffers; the factors of the next decomposition are each group's split
-        ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
-        for w in outs[1:]:
-            held = _tensors(w["syncs"][i]["after"])
-            assert all(torch.equal(held[k], v) for k, v in ref.items()), t
+    assert [s["step"] for s in o["syncs"]] == [K, 2 * K]
+    _one_model_after_each_sync(outs, 2)
     for name in o["syncs"][0]["before"]:
         w0, change, _, _ = _tangent_first_sync(outs, name)
         got = o["syncs"][0]["after"]["W"][name].reshape(w0.shape)
@@ -522,11 +531,7 @@ def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs):
     outs = runs["tangent-lowrank-flush"]
     o, q = outs[0], 3
     assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
-    for i in range(3):
-        ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
-        for w in outs[1:]:
-            held = _tensors(w["syncs"][i]["after"])
-            assert all(torch.equal(held[k], v) for k, v in ref.items()), i
+    _one_model_after_each_sync(outs, 3)
     for name in o["syncs"][0]["before"]:
         left = 0
         for i in range(3):
@@ -557,17 +562,17 @@ def test_lowrank_sync_flush_at_the_end_of_an_unplanned_run(runs):
     o = outs[0]
     assert [s["step"] for s in o["syncs"]] == [K, 2 * K]
     assert all(name in w["syncs"][1]["memory"] for w in outs for name in o["syncs"][1]["before"])
-    start = [next(s for s in w["steps"] if s["t"] == 2 * K)["after"] for w in outs]
-    end = [w["steps"][-1]["after"] for w in outs]
     for name in o["syncs"][1]["before"]:
-        a0, vh = start[0]["A"][name], start[0]["B"][name]  # U·σ and Vᵀ (an A-worker)
-        u, b0 = start[2]["A"][name], start[2]["B"][name]  # U and σ·Vᵀ (a B-worker)
-        change = sum((e["A"][name] - a0) @ vh / 2 for e in end[:2]) + sum(u @ (e["B"][name] - b0) / 2 for e in end[2:])
+        # the factors as the last step left them, before leaving attach() synced them
+        w_start, shares = _tangent_shares(outs, name, 2 * K,
+                                          [(w["steps"][-1]["after"]["A"][name], w["steps"][-1]["after"]["B"][name])
+                                           for w in outs])
+        change = sum(shares)
         left = torch.stack([w["syncs"][1]["memory"][name] for w in outs]).mean(0)
-        expected = a0 @ vh + change + left
+        expected = w_start + change + left
         got = o["final"]["W"][name].reshape(expected.shape)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float((change + left).abs().max()))
-        assert not torch.allclose(got, a0 @ vh + change, atol=1e-3)  # the memories were sent too
+        assert not torch.allclose(got, w_start + change, atol=1e-3)  # the memories were sent too
         for w in outs[1:]:
             assert torch.equal(w["final"]["W"][name], o["final"]["W"][name])
 
@@ -578,11 +583,7 @@ def _check_lowrank_syncs(outs, q, element_bytes, projected):
     (P and Q per layer); ``projected``: what was added is the exact projection onto its q directions."""
     o = outs[0]
     assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
-    for i in range(3):  # one model on every worker after each sync: W, the other parameters and the buffers
-        ref = {k: v for k, v in _tensors(o["syncs"][i]["after"]).items() if k[0] not in ("A", "B")}
-        for w in outs[1:]:
-            held = _tensors(w["syncs"][i]["after"])
-            assert all(torch.equal(held[k], v) for k, v in ref.items()), i
+    _one_model_after_each_sync(outs, 3)
     for name in o["syncs"][0]["before"]:
         left = 0  # the average of the workers' memories
         for i in range(3):

@@ -348,7 +348,7 @@ class ABTraining(Method):
                                      in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
                                      one_group=self.train_group is self.topo.world and not self.cfg.independent,
                                      as_change=self._send_as_change(low, bases), compressor=self._compressor,
-                                     flush=self.cfg.sync_flush and (last or self._last_sync()))
+                                     flush=self.cfg.sync_flush and (last or not self._sched().ab_after(self.t)))
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
@@ -356,11 +356,6 @@ class ABTraining(Method):
             self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
-
-    def _last_sync(self) -> bool:
-        """True when no AB step, hence no sync, follows step ``t`` in a run of known length."""
-        sched = self._sched()
-        return sched.total is not None and all(sched.phase_at(s) != "ab" for s in range(self.t, sched.total))
 
     def _send_as_change(self, low: list[lowrank.FactorizedParam],
                         bases: dict[str, lowrank.SVD]) -> dict[str, lowrank.SVD]:

@@ -72,6 +72,12 @@ class Schedule:
         sync = before == "ab" and (after != "ab" or (t % self.cycle == 0 and t > self.warmup))
         return sync, after == "ab" and (before != "ab" or sync)
 
+    def ab_after(self, t: int) -> bool:
+        """Whether an AB step, hence a sync, follows step ``t`` (True when the run's length is unknown)."""
+        if self.total is None:
+            return True
+        return any(self.phase_at(s) == "ab" for s in range(t, self.total))
+
     def syncs(self) -> int:
         """Syncs in the whole run (needs ``total``)."""
         assert self.total is not None

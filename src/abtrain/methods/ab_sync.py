@@ -89,7 +89,7 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
             change = (fp.A - u * s) @ vh / n_a if in_a else u @ (fp.B - s[:, None] * vh) / n_b
             if compressor is not None and compressor.rank_for(fp.m, fp.n) is not None:
                 if flush:
-                    memory = compressor.errors.pop(fp.name, None)
+                    memory = compressor.take_error(fp.name)
                     if memory is not None:
                         change.add_(memory.view_as(change), alpha=1 / world.size)
                     contrib.append(change)
