@@ -196,6 +196,9 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     # σ in the factor each group trains; the sync adds each group's change to W
     "tangent": ({"rank_fraction": 0.25, "sync": "only-learned", "split": "tangent", "rebound_steps": 0},
                 "sgd", 2 * K, False),
+    # the same with the part of the changes both groups can make (U·X·Vᵀ) averaged, the rest added
+    "tangent-core": ({"rank_fraction": 0.25, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
+                      "tangent_core": "mean"}, "sgd", 2 * K, False),
     # each worker's own A·B (the start plus its group's change) averaged: half of each change
     "tangent-full": ({"rank_fraction": 0.25, "sync": "full", "split": "tangent", "rebound_steps": 0},
                      "sgd", 2 * K, False),
@@ -469,6 +472,30 @@ def test_tangent_split_adds_each_groups_change_to_the_model(runs):
             assert torch.equal(w, outs[0]["final"]["W"][name]), name
             if name in last["A"]:  # the model of the last decomposition, U·σ times Vᵀ on an A-worker
                 torch.testing.assert_close(w.reshape(-1, last["B"][name].shape[1]), last["A"][name] @ last["B"][name])
+
+
+def test_tangent_core_mean_averages_the_part_both_groups_can_change(runs):
+    """tangent_core="mean": the sync adds the groups' summed change C less half of its part inside the phase's
+    singular vectors, UσVᵀ + C − ½·UUᵀ·C·VVᵀ (with "sum", UσVᵀ + C); one W on every worker after each sync;
+    the same bytes as the tangent split's sync (the factors)."""
+    outs, summed = runs["tangent-core"], runs["tangent"]
+    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
+    _one_model_after_each_sync(outs, 2)
+    for name in outs[0]["syncs"][0]["before"]:
+        w0, change, _, _ = _tangent_first_sync(outs, name)
+        u, vh = start[2]["A"][name], start[0]["B"][name]  # U (a B-worker's A) and Vᵀ (an A-worker's B)
+        core = u @ (u.T @ change @ vh.T) @ vh
+        got = outs[0]["syncs"][0]["after"]["W"][name].reshape(w0.shape)
+        torch.testing.assert_close(got, w0 + change - core / 2, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, w0 + change, atol=1e-3)  # not the sum of the changes
+    # the same data and start: the first phase is the tangent run's, only the merge differs
+    for name in outs[0]["syncs"][0]["before"]:
+        for o, ref in zip(outs, summed):
+            for x, y in zip(o["syncs"][0]["before"][name], ref["syncs"][0]["before"][name]):
+                assert torch.equal(x, y)
+    o, ref = outs[0], summed[0]
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == ref["summary"]["by_phase"]["sync"]["payload_bytes"]
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == _sync_payload(o, 4, _factors)
 
 
 def test_tangent_split_with_the_full_sync_averages_the_groups_models(runs):

@@ -160,6 +160,33 @@ def test_full_rank_decompose_reconstructs(cls):
         assert torch.equal(fp.weight, (fp.A @ fp.B).reshape(fp.shape))
 
 
+def test_tangent_merge_with_the_core_halved_is_one_step_along_the_tangent_space():
+    """recompose(basis, change, core=0.5): a step −lr·G·V on A = U·σ (trained against Vᵀ) and a step −lr·Uᵀ·G on
+    B = σ·Vᵀ (trained against U) merge into UσVᵀ − lr·P(G), P the projection onto the tangent space of the
+    rank-r matrices at UσVᵀ (UUᵀG + GVVᵀ − UUᵀGVVᵀ); added whole (core=1) the part UUᵀGVVᵀ counts twice."""
+    model = _build(MLP)
+    fp = lr.prepare_model(model)[0]
+    r, step = 5, 0.1
+    u, s, vh = lr.svd(fp)
+    u, s, vh = u[:, :r], s[:r], vh[:r]
+    g = torch.randn(fp.m, fp.n)
+    pu, pv = u @ u.T, vh.T @ vh
+    tangent = pu @ g + g @ pv - pu @ g @ pv
+    change = (-step * g @ vh.T) @ vh + u @ (-step * u.T @ g)  # each group's step, seen in W
+    for core, expected in ((0.5, u * s @ vh - step * tangent), (1.0, u * s @ vh - step * (tangent + pu @ g @ pv))):
+        lr.decompose(fp, r, usv=(u, s, vh), split="sigma", sigma_in="A")
+        lr.recompose(fp, (u, s, vh), change.clone(), core=core)
+        torch.testing.assert_close(fp.weight.detach().reshape(fp.m, fp.n), expected, rtol=0, atol=1e-5)
+        # the same merge from the factors themselves (no change sent): A-group's A and B-group's B
+        lr.decompose(fp, r, usv=(u, s, vh), split="sigma", sigma_in="A")
+        with torch.no_grad():
+            fp.A.sub_(step * g @ vh.T)
+            fp.B.copy_(s[:, None] * vh - step * u.T @ g)
+        lr.recompose(fp, (u, s, vh), core=core)
+        torch.testing.assert_close(fp.weight.detach().reshape(fp.m, fp.n), expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(pu @ g @ pv, torch.zeros_like(g), atol=1e-3)  # the two differ
+
+
 def test_sigma_split_puts_sigma_in_the_named_factor():
     model = _build(MLP)
     fp = lr.prepare_model(model)[0]

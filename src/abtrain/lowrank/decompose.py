@@ -144,7 +144,8 @@ def decompose_all(
     return done
 
 
-def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | None = None) -> None:
+def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | None = None,
+              core: float = 1.0) -> None:
     """W = (A @ B).reshape(shape) in W's dtype, in place; switch to full mode.
 
     With ``basis`` = (U, σ, Vᵀ), the rank-r SVD the factors started from, W is instead
@@ -153,6 +154,10 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
     against A = U), each in W's space, without the product of the two changes.
     ``change`` (with ``basis``): those two changes already summed, as one m×n tensor
     (a sync that sent W's change instead of the factors): W = UσVᵀ + change.
+    ``core`` (with ``basis``): the weight of the part of the change both factors can
+    make, U·(Uᵀ·change·V)·Vᵀ (1: as it came; 0.5: halved, so that where an A-group
+    and a B-group each moved W by its gradient projected on their factor's space,
+    the sum is the gradient projected on the tangent space, counted once).
     A and B keep their values (and optimizer state); their grads are cleared.
     """
     if fp.rank == 0:
@@ -169,9 +174,12 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
                 raise ValueError(f"{fp.name}: basis of rank {s.numel()} does not match factors of rank {fp.rank}")
             start = u * s
             if change is not None:
-                merged = start @ vh + change.reshape(start.shape[0], vh.shape[1])
+                change = change.reshape(start.shape[0], vh.shape[1])
             else:
-                merged = start @ vh + ((fp.A - start) @ vh + u @ (fp.B - s[:, None] * vh))
+                change = (fp.A - start) @ vh + u @ (fp.B - s[:, None] * vh)
+            if core != 1.0:
+                change = change - (1.0 - core) * (u @ (u.T @ change @ vh.T) @ vh)
+            merged = start @ vh + change
         w.copy_(merged.reshape(fp.shape).to(w.dtype))
     _set_grads_none(fp.A, fp.B, w)
     fp.param.note = "recomposed"

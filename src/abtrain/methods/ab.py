@@ -352,7 +352,8 @@ class ABTraining(Method):
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             for fp in low:
                 if fp.mode == "lowrank":
-                    lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name))
+                    lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name),
+                                      core=0.5 if self.cfg.tangent_core == "mean" else 1.0)
             self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start

@@ -14,6 +14,7 @@ SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
 SPLITS = ("sqrt", "sigma", "tangent")
 SYNC_PAYLOADS = ("factors", "smaller", "lowrank")
+TANGENT_CORES = ("sum", "mean")
 STATE_POLICIES = ("keep", "map", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
@@ -54,6 +55,7 @@ class ABConfig(Options):
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: A = U S, B = V^T on every worker (with only-b: A = U, B = S V^T, the trained factor); tangent: S in the factor each group trains (A = U S, B = V^T in A-groups; A = U, B = S V^T in B-groups), and with only-learned the sync adds each group's change to W instead of multiplying the factors (W = A V^T + U B - U S V^T)", choices=SPLITS)
     sync_payload: str = opt("factors", "what the only-learned sync sends for each low-rank layer: its factors, or (smaller) whichever of the factors and W's change holds fewer numbers; the change, one m*n tensor, needs --ab-split tangent, whose merge adds the groups' changes to W, so with the other splits smaller sends the factors; lowrank (needs --ab-split tangent): the change as a rank --ab-sync-rank approximation, P (m x q) and Q (n x q), with error feedback: what one sync leaves out a later one sends", choices=SYNC_PAYLOADS)
+    tangent_core: str = opt("sum", "with --ab-split tangent --ab-sync only-learned: how the sync combines the part of the groups' changes that both can make, U X V^T (inside the top-r left and right singular vectors): sum (each group's change added whole) or mean (that part averaged, the rest added: one step of each group is then one step along the tangent space)", choices=TANGENT_CORES)
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank (a layer whose q*(m+n) is not below m*n sends the smaller of its change and its factors)")
     sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed layer's change whole (m*n numbers), with what its error memory held, so that the final model holds every change the groups made")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
@@ -103,6 +105,9 @@ class ABConfig(Options):
         if self.sync_payload == "lowrank" and (self.split != "tangent" or self.sync != "only-learned"):
             raise ValueError("--ab-sync-payload lowrank sends each group's change of W, which only the tangent "
                              "merge adds to the model: use it with --ab-split tangent --ab-sync only-learned")
+        if self.tangent_core != "sum" and (self.split != "tangent" or self.sync != "only-learned"):
+            raise ValueError(f"--ab-tangent-core {self.tangent_core} changes how the tangent merge adds the groups' "
+                             "changes: use it with --ab-split tangent --ab-sync only-learned")
         if self.sync_flush and self.sync_payload != "lowrank":
             raise ValueError("--ab-sync-flush sends what the error memories of --ab-sync-payload lowrank hold; "
                              f"it needs --ab-sync-payload lowrank (got {self.sync_payload})")
