@@ -96,6 +96,13 @@ def test_ab_after_tells_whether_a_sync_is_still_to_come():
     assert s.ab_after(8) and not s.ab_after(10)
     # a run of unknown length: always
     assert Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1), None).ab_after(10**6)
+    # it looks one cycle ahead: the same answer as scanning every step left, on schedules of every shape
+    for warmup, cycle, rebound, final, total in [(2, 4, 1, 2, 10), (0, 3, 2, 0, 11), (5, 4, 0, 7, 20),
+                                                 (3, 5, 4, 6, 23), (10, 4, 1, 0, 10), (4, 6, 2, 9, 17)]:
+        s = Schedule.from_config(ABConfig(warmup_steps=warmup, cycle_steps=cycle, rebound_steps=rebound,
+                                          final_rebound_steps=final), total)
+        for t in range(total + 2):
+            assert s.ab_after(t) == any(s.phase_at(x) == "ab" for x in range(t, total)), (warmup, cycle, t)
 
 
 def test_schedule_without_budget_is_refused_with_what_to_do():

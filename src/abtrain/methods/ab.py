@@ -31,7 +31,7 @@ from ..comm import Communicator
 from ..grad_buckets import OverlappedAverage
 from ..reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
 from ..topology import Topology
-from .ab_config import ABConfig, check_topology, default_group_size, group_layout
+from .ab_config import TANGENT_CORES, ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
 from .ab_sync import average_models, full_rank_tensors
 from .base import Method, optimizer_moments
@@ -353,7 +353,7 @@ class ABTraining(Method):
             for fp in low:
                 if fp.mode == "lowrank":
                     lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name),
-                                      core=0.5 if self.cfg.tangent_core == "mean" else 1.0)
+                                      core=TANGENT_CORES[self.cfg.tangent_core])
             self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start

@@ -14,7 +14,7 @@ SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
 SPLITS = ("sqrt", "sigma", "tangent")
 SYNC_PAYLOADS = ("factors", "smaller", "lowrank")
-TANGENT_CORES = ("sum", "mean")
+TANGENT_CORES = {"sum": 1.0, "mean": 0.5}  # --ab-tangent-core: the weight of the shared part U·X·Vᵀ in the merge
 STATE_POLICIES = ("keep", "map", "reset")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
@@ -55,7 +55,7 @@ class ABConfig(Options):
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str = opt("sqrt", "sqrt: A = U sqrt(S), B = sqrt(S) V^T; sigma: A = U S, B = V^T on every worker (with only-b: A = U, B = S V^T, the trained factor); tangent: S in the factor each group trains (A = U S, B = V^T in A-groups; A = U, B = S V^T in B-groups), and with only-learned the sync adds each group's change to W instead of multiplying the factors (W = A V^T + U B - U S V^T)", choices=SPLITS)
     sync_payload: str = opt("factors", "what the only-learned sync sends for each low-rank layer: its factors, or (smaller) whichever of the factors and W's change holds fewer numbers; the change, one m*n tensor, needs --ab-split tangent, whose merge adds the groups' changes to W, so with the other splits smaller sends the factors; lowrank (needs --ab-split tangent): the change as a rank --ab-sync-rank approximation, P (m x q) and Q (n x q), with error feedback: what one sync leaves out a later one sends", choices=SYNC_PAYLOADS)
-    tangent_core: str = opt("sum", "with --ab-split tangent --ab-sync only-learned: how the sync combines the part of the groups' changes that both can make, U X V^T (inside the top-r left and right singular vectors): sum (each group's change added whole) or mean (that part averaged, the rest added: one step of each group is then one step along the tangent space)", choices=TANGENT_CORES)
+    tangent_core: str = opt("sum", "with --ab-split tangent --ab-sync only-learned: how the sync combines the part of the groups' changes that both can make, U X V^T (inside the top-r left and right singular vectors): sum (each group's change added whole) or mean (that part averaged, the rest added: one plain gradient step of each group then merges into one step along the tangent space)", choices=tuple(TANGENT_CORES))
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank (a layer whose q*(m+n) is not below m*n sends the smaller of its change and its factors)")
     sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed layer's change whole (m*n numbers), with what its error memory held, so that the final model holds every change the groups made")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)

@@ -76,7 +76,10 @@ class Schedule:
         """Whether an AB step, hence a sync, follows step ``t`` (True when the run's length is unknown)."""
         if self.total is None:
             return True
-        return any(self.phase_at(s) == "ab" for s in range(t, self.total))
+        # after the warm-up every cycle of K steps holds an AB step (F < K) unless the final rebound covers it,
+        # and that runs to the end: one cycle past the warm-up tells
+        start = max(t, self.warmup)
+        return any(self.phase_at(s) == "ab" for s in range(start, min(self.total, start + self.cycle)))
 
     def syncs(self) -> int:
         """Syncs in the whole run (needs ``total``)."""
