@@ -216,6 +216,10 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "tangent-lowrank-flush": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                                "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_flush": True},
                               "sgd", 3 * K, True),
+    # the same with the shared part halved: the merge acts on the change each sync delivers, the flush's included
+    "tangent-lowrank-flush-core": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
+                                    "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
+                                    "sync_flush": True, "tangent_core": "mean"}, "sgd", 3 * K, True),
     # an unplanned run ending 2 steps into an AB phase: the sync that leaving attach() adds is the last one
     "tangent-lowrank-flush-end": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                                    "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
@@ -579,6 +583,39 @@ def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs):
     whole = _sync_payload({**o, "syncs": o["syncs"][2:], "ranks_log": []}, 4,
                           lambda name, a, b: m_n[name][0] * m_n[name][1])
     assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == compressed + whole
+
+
+def test_lowrank_sync_flush_with_the_core_halved_halves_it_in_what_each_sync_delivers(runs):
+    """sync_flush with tangent_core="mean": each sync delivers D (rank q before the last, the whole summed change
+    plus the memories' average at the last) and adds D − ½·UUᵀ·D·VVᵀ in its phase's singular vectors, so
+    D = added + UUᵀ·added·VVᵀ; the memories keep what D left out, one W on every worker, the flush's bytes."""
+    outs, flushed = runs["tangent-lowrank-flush-core"], runs["tangent-lowrank-flush"]
+    o, q = outs[0], 3
+    assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
+    _one_model_after_each_sync(outs, 3)
+    for name in o["syncs"][0]["before"]:
+        left = 0
+        for i in range(3):
+            w_start, shares = _tangent_changes(outs, name, i)
+            start_step = T_W if i == 0 else o["syncs"][i - 1]["step"]
+            start = [next(s for s in w["steps"] if s["t"] == start_step)["after"] for w in outs]
+            u, vh = start[2]["A"][name], start[0]["B"][name]  # U (a B-worker's A) and Vᵀ (an A-worker's B)
+            total = sum(shares) + left
+            added = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
+            core = u @ (u.T @ added @ vh.T) @ vh
+            assert float(core.norm()) > 0.05 * float(added.norm())  # the halving changed what was added
+            delivered = added + core
+            tol = {"rtol": 1e-4, "atol": 1e-4 * float(total.abs().max())}
+            if i < 2:
+                assert torch.linalg.matrix_rank(delivered, atol=1e-5) <= q
+                left = torch.stack([w["syncs"][i]["memory"][name] for w in outs]).mean(0)
+                torch.testing.assert_close(left, total - delivered, **tol)  # kept for the next sync
+                assert float(left.norm()) > 0.05 * float(total.norm())
+            else:
+                torch.testing.assert_close(delivered, total, **tol)  # everything, the memories included
+                assert all(name not in w["syncs"][i]["memory"] for w in outs)
+    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == \
+        flushed[0]["summary"]["by_phase"]["sync"]["payload_bytes"]
 
 
 def test_lowrank_sync_flush_at_the_end_of_an_unplanned_run(runs):
