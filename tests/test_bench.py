@@ -443,6 +443,28 @@ def test_gloo_sends_what_the_link_model_expects_between_nodes():
     assert tx[0] - tx[1] == pytest.approx(2 * 4e6, rel=0.05)  # node 0 also sends one copy to each of ranks 2, 3
 
 
+_REDUCE_SCATTER = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.reduce_scatter_tensor(torch.empty(500_000), torch.ones(2_000_000))                  # 8 MB in, 2 MB out
+dist.reduce_scatter(torch.empty(500_000), [torch.ones(500_000) for _ in range(4)])       # the same as a list
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(300)
+def test_gloo_reduce_scatter_sends_an_all_reduces_bytes_between_nodes():
+    """gloo runs a reduce-scatter as an all-reduce of its whole input: 1.5 x 8 MB leave each node per call, twice
+    the ring reduce-scatter's 0.75 x 8 MB that the ledger's wire model counts (docs/bench.md)."""
+    tx = [d["tx_bytes"] for d in _four_workers_in_two_nodes(_REDUCE_SCATTER, "rate=2gbit", 29536)]
+    print(f"\nnode tx: {tx} (2 reduce-scatters of 8 MB; ring: 2 x 0.75 x 8 MB per node, all-reduce: 2 x 1.5 x 8 MB)",
+          file=sys.stderr)
+    for sent in tx:
+        assert sent == pytest.approx(2 * 1.5 * 8e6, rel=0.05)
+
+
 @needs_netns
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
