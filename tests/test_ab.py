@@ -555,11 +555,13 @@ def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_la
     _check_lowrank_syncs(runs["tangent-lowrank-bf16"], q=3, element_bytes=2, projected=False)
 
 
-def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs):
-    """sync_flush in a planned run: the syncs before the last send rank-q changes and keep the rest in the
-    memories; the last one (the run's end) adds to W the exact summed change plus the memories' average, empties
-    the memories, and sends m·n numbers a layer where the others send P and Q."""
-    outs = runs["tangent-lowrank-flush"]
+@pytest.mark.parametrize("config", ["tangent-lowrank-flush", "tangent-lowrank-flush-core"])
+def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs, config):
+    """sync_flush in a planned run: the syncs before the last deliver rank-q changes and keep the rest in the
+    memories; the last one (the run's end) delivers the exact summed change plus the memories' average, empties
+    the memories, and sends m·n numbers a layer where the others send P and Q. With tangent_core="mean" each sync
+    adds D − ½·UUᵀ·D·VVᵀ of what it delivers, D, in its phase's singular vectors U, V: D = added + UUᵀ·added·VVᵀ."""
+    outs = runs[config]
     o, q = outs[0], 3
     assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
     _one_model_after_each_sync(outs, 3)
@@ -568,14 +570,22 @@ def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs):
         for i in range(3):
             w_start, shares = _tangent_changes(outs, name, i)
             total = sum(shares) + left
-            added = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
+            delivered = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
+            if config.endswith("-core"):
+                start_step = T_W if i == 0 else o["syncs"][i - 1]["step"]
+                start = [next(s for s in w["steps"] if s["t"] == start_step)["after"] for w in outs]
+                u, vh = start[2]["A"][name], start[0]["B"][name]  # U (a B-worker's A) and Vᵀ (an A-worker's B)
+                core = u @ (u.T @ delivered @ vh.T) @ vh
+                assert float(core.norm()) > 0.05 * float(delivered.norm())  # the halving changed what was added
+                delivered = delivered + core
             tol = {"rtol": 1e-4, "atol": 1e-4 * float(total.abs().max())}
             if i < 2:
-                assert torch.linalg.matrix_rank(added, atol=1e-5) <= q
-                assert float((total - added).norm()) > 0.05 * float(total.norm())  # something left for later
+                assert torch.linalg.matrix_rank(delivered, atol=1e-5) <= q
                 left = torch.stack([w["syncs"][i]["memory"][name] for w in outs]).mean(0)
+                torch.testing.assert_close(left, total - delivered, **tol)  # kept for the next sync
+                assert float(left.norm()) > 0.05 * float(total.norm())  # something left for later
             else:
-                torch.testing.assert_close(added, total, **tol)  # everything, the memories included
+                torch.testing.assert_close(delivered, total, **tol)  # everything, the memories included
                 assert all(name not in w["syncs"][i]["memory"] for w in outs)
     m_n = {name: (m, n) for name, m, n in o["records"]}
     assert all(q * (m + n) < m * n for m, n in m_n.values())
@@ -583,39 +593,6 @@ def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs):
     whole = _sync_payload({**o, "syncs": o["syncs"][2:], "ranks_log": []}, 4,
                           lambda name, a, b: m_n[name][0] * m_n[name][1])
     assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == compressed + whole
-
-
-def test_lowrank_sync_flush_with_the_core_halved_halves_it_in_what_each_sync_delivers(runs):
-    """sync_flush with tangent_core="mean": each sync delivers D (rank q before the last, the whole summed change
-    plus the memories' average at the last) and adds D − ½·UUᵀ·D·VVᵀ in its phase's singular vectors, so
-    D = added + UUᵀ·added·VVᵀ; the memories keep what D left out, one W on every worker, the flush's bytes."""
-    outs, flushed = runs["tangent-lowrank-flush-core"], runs["tangent-lowrank-flush"]
-    o, q = outs[0], 3
-    assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
-    _one_model_after_each_sync(outs, 3)
-    for name in o["syncs"][0]["before"]:
-        left = 0
-        for i in range(3):
-            w_start, shares = _tangent_changes(outs, name, i)
-            start_step = T_W if i == 0 else o["syncs"][i - 1]["step"]
-            start = [next(s for s in w["steps"] if s["t"] == start_step)["after"] for w in outs]
-            u, vh = start[2]["A"][name], start[0]["B"][name]  # U (a B-worker's A) and Vᵀ (an A-worker's B)
-            total = sum(shares) + left
-            added = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
-            core = u @ (u.T @ added @ vh.T) @ vh
-            assert float(core.norm()) > 0.05 * float(added.norm())  # the halving changed what was added
-            delivered = added + core
-            tol = {"rtol": 1e-4, "atol": 1e-4 * float(total.abs().max())}
-            if i < 2:
-                assert torch.linalg.matrix_rank(delivered, atol=1e-5) <= q
-                left = torch.stack([w["syncs"][i]["memory"][name] for w in outs]).mean(0)
-                torch.testing.assert_close(left, total - delivered, **tol)  # kept for the next sync
-                assert float(left.norm()) > 0.05 * float(total.norm())
-            else:
-                torch.testing.assert_close(delivered, total, **tol)  # everything, the memories included
-                assert all(name not in w["syncs"][i]["memory"] for w in outs)
-    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == \
-        flushed[0]["summary"]["by_phase"]["sync"]["payload_bytes"]
 
 
 def test_lowrank_sync_flush_at_the_end_of_an_unplanned_run(runs):
