@@ -80,8 +80,18 @@ def _tangent_first_sync(outs, name):
 def _tangent_changes(outs, name, i):
     """Sync ``i`` of a tangent run, layer ``name``: W at the start of its phase (U·σ times Vᵀ) and each worker's
     share of the change, (A − Uσ)·Vᵀ / n_a from an A-worker and U·(B − σVᵀ) / n_b from a B-worker (2 each)."""
-    start_step = T_W if i == 0 else outs[0]["syncs"][i - 1]["step"]  # each sync is followed by a decomposition
-    return _tangent_shares(outs, name, start_step, [o["syncs"][i]["before"][name] for o in outs])
+    return _tangent_shares(outs, name, _phase_start(outs, i), [o["syncs"][i]["before"][name] for o in outs])
+
+
+def _phase_start(outs, i):
+    """The step whose decomposition started the phase that sync ``i`` ends (each sync is followed by one)."""
+    return T_W if i == 0 else outs[0]["syncs"][i - 1]["step"]
+
+
+def _tangent_basis(outs, name, start_step):
+    """U and Vᵀ of layer ``name``'s decomposition at ``start_step``: a B-worker's A and an A-worker's B."""
+    start = [next(s for s in o["steps"] if s["t"] == start_step)["after"] for o in outs]
+    return start[2]["A"][name], start[0]["B"][name]
 
 
 def _tangent_shares(outs, name, start_step, factors):
@@ -483,11 +493,10 @@ def test_tangent_core_mean_averages_the_part_both_groups_can_change(runs):
     singular vectors, UσVᵀ + C − ½·UUᵀ·C·VVᵀ (with "sum", UσVᵀ + C); one W on every worker after each sync;
     the same bytes as the tangent split's sync (the factors)."""
     outs, summed = runs["tangent-core"], runs["tangent"]
-    start = [next(s for s in o["steps"] if s["t"] == T_W)["after"] for o in outs]
     _one_model_after_each_sync(outs, 2)
     for name in outs[0]["syncs"][0]["before"]:
         w0, change, _, _ = _tangent_first_sync(outs, name)
-        u, vh = start[2]["A"][name], start[0]["B"][name]  # U (a B-worker's A) and Vᵀ (an A-worker's B)
+        u, vh = _tangent_basis(outs, name, T_W)
         core = u @ (u.T @ change @ vh.T) @ vh
         got = outs[0]["syncs"][0]["after"]["W"][name].reshape(w0.shape)
         torch.testing.assert_close(got, w0 + change - core / 2, rtol=1e-5, atol=1e-5)
@@ -572,9 +581,7 @@ def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs, co
             total = sum(shares) + left
             delivered = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
             if config.endswith("-core"):
-                start_step = T_W if i == 0 else o["syncs"][i - 1]["step"]
-                start = [next(s for s in w["steps"] if s["t"] == start_step)["after"] for w in outs]
-                u, vh = start[2]["A"][name], start[0]["B"][name]  # U (a B-worker's A) and Vᵀ (an A-worker's B)
+                u, vh = _tangent_basis(outs, name, _phase_start(outs, i))
                 core = u @ (u.T @ delivered @ vh.T) @ vh
                 assert float(core.norm()) > 0.05 * float(delivered.norm())  # the halving changed what was added
                 delivered = delivered + core

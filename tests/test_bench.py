@@ -456,8 +456,9 @@ dist.destroy_process_group()
 @needs_netns
 @pytest.mark.timeout(300)
 def test_gloo_reduce_scatter_sends_an_all_reduces_bytes_between_nodes():
-    """gloo runs a reduce-scatter as an all-reduce of its whole input: 1.5 x 8 MB leave each node per call, twice
-    the ring reduce-scatter's 0.75 x 8 MB that the ledger's wire model counts (docs/bench.md)."""
+    """gloo runs a reduce-scatter as all-reduces (of the whole input, or of each chunk of a list): 1.5 x 8 MB
+    leave each node per call, twice the ring reduce-scatter's 0.75 x 8 MB that the ledger's wire model counts
+    (docs/bench.md)."""
     tx = [d["tx_bytes"] for d in _four_workers_in_two_nodes(_REDUCE_SCATTER, "rate=2gbit", 29536)]
     print(f"\nnode tx: {tx} (2 reduce-scatters of 8 MB; ring: 2 x 0.75 x 8 MB per node, all-reduce: 2 x 1.5 x 8 MB)",
           file=sys.stderr)
