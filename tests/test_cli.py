@@ -186,7 +186,7 @@ FLAGS = {
     "--ab-powersgd-dtype",
     "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank", "--ab-sync-flush", "--no-ab-sync-flush",
     "--ab-tangent-core",
-    "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
+    "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",
     "--powersgd-seed", "--powersgd-dtype", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",

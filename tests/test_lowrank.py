@@ -105,6 +105,63 @@ def test_prepare_keeps_outputs_bit_identical(cls):
     assert all(id(fp.A) in params and id(fp.B) in params for fp in records)
 
 
+class Doubled(nn.Linear):
+    """An nn.Linear subclass with its own forward, which preparation must leave in charge."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("apply", ["factors", "auto"])
+def test_linear_layers_apply_their_factors_where_chosen(apply):
+    """In lowrank mode an nn.Linear with apply="factors" computes x·Bᵀ·Aᵀ + b, never forming A·B; "auto" does so
+    where that needs fewer multiply-adds for the call's rows and forms W otherwise; both give W's function and
+    gradients up to rounding; full mode, other modules and subclasses with their own forward are untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), Doubled(48, 40), nn.Conv1d(40, 40, 1))
+    ref = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), Doubled(48, 40), nn.Conv1d(40, 40, 1))
+    ref.load_state_dict(model.state_dict())
+    records = lr.prepare_model(model, full_rank_patterns=(), apply=apply)
+    refs = lr.prepare_model(ref, full_rank_patterns=())  # apply="weight"
+    # at rank 40 the factors cost 3·40·112 < 48·40·64 + 3·48·64 multiply-adds for 3 rows, more for 500
+    few, many = torch.randn(3, 64), torch.randn(500, 64)
+    assert lr.factors_cheaper(48, 64, 40, 3) and not lr.factors_cheaper(48, 64, 40, 500)
+    assert torch.equal(model[0](few), ref[0](few))  # full mode: nn.Linear.forward itself
+    for recs in (records, refs):
+        for fp in recs:
+            lr.decompose(fp, 40 if fp.name == "0.weight" else 4)
+        lr.set_trainable(recs, "A")
+    fp = records[0]
+    with torch.no_grad():
+        factored = nn.functional.linear(nn.functional.linear(few, fp.B), fp.A, model[0].bias)
+        formed = nn.functional.linear(few, (fp.A @ fp.B).reshape(fp.shape), model[0].bias)
+        assert torch.equal(model[0](few), factored)
+        if apply == "factors":
+            expected = nn.functional.linear(nn.functional.linear(many, fp.B), fp.A, model[0].bias)
+        else:
+            expected = nn.functional.linear(many, (fp.A @ fp.B).reshape(fp.shape), model[0].bias)
+        assert torch.equal(model[0](many), expected)
+        torch.testing.assert_close(factored, formed, rtol=1e-5, atol=1e-6)
+    # the subclass and the convolution form W: bit for bit what the W-forming model computes
+    assert type(model[2]).forward is type(ref[2]).forward and "forward" not in vars(model[2])
+    assert "forward" not in vars(model[3])
+    x = torch.randn(3, 64)
+    out, out_ref = model[:3](x), ref[:3](x)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    out_ref.square().sum().backward()
+    for fp, fr in zip(records, refs):
+        if fp.name.startswith("3."):
+            continue  # the convolution is not in this forward
+        torch.testing.assert_close(fp.A.grad, fr.A.grad, rtol=1e-4, atol=1e-6)
+        assert fp.B.grad is None and fp.weight.grad is None
+
+
+def test_prepare_rejects_an_unknown_apply():
+    with pytest.raises(ValueError, match="apply must be one of"):
+        lr.prepare_model(_build(MLP), apply="fused")
+
+
 def test_prepare_finds_every_kind_of_weight():
     assert [fp.name for fp in lr.prepare_model(_build(MLP))] == ["body.0.weight", "body.2.weight"]
     cnn = lr.prepare_model(_build(CNN))

@@ -27,13 +27,14 @@ state, initialisation), ``report`` (counts, ratios, per-layer lines, the output 
 
 from .decompose import (SVD, SVDError, decompose, decompose_all, map_state, ortho_sigma_init, recompose,
                         reset_state, resize_state, svd)
-from .layers import (DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, plain_state_dict, prepare_model,
-                     set_mode, set_trainable)
+from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
+                     plain_state_dict, prepare_model, set_mode, set_trainable)
 from .ranks import RankRule, factors_compress
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
                      log_decisions, output_weights)
 
 __all__ = [
+    "APPLY_MODES",
     "DEFAULT_FULL_RANK_PATTERNS",
     "FactorizedParam",
     "LowRankWeight",
@@ -46,6 +47,7 @@ __all__ = [
     "decompose_all",
     "decision_lines",
     "describe",
+    "factors_cheaper",
     "factors_compress",
     "format_ratio",
     "full_param_count",

@@ -10,11 +10,13 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -25,6 +27,10 @@ logger = logging.getLogger(__name__)
 Mode = Literal["full", "lowrank"]
 Factor = Literal["A", "B"]
 Split = Literal["sqrt", "sigma"]
+Apply = Literal["weight", "factors", "auto"]
+
+#: How a low-rank ``nn.Linear`` applies A·B to its input (:func:`prepare_model`'s ``apply``).
+APPLY_MODES: tuple[str, ...] = ("weight", "factors", "auto")
 
 #: Parameter-name patterns (fnmatch, on the full dotted name) kept full rank by
 #: default: the first layer that sees the input and the classifier head.
@@ -51,6 +57,8 @@ class LowRankWeight(nn.Module):
         self.A = nn.Parameter(torch.empty(self.m, 0, dtype=dtype, device=device), requires_grad=False)
         self.B = nn.Parameter(torch.empty(0, self.n, dtype=dtype, device=device), requires_grad=False)
         self.mode: str = "full"
+        #: How an ``nn.Linear`` owner applies A·B in lowrank mode (:data:`APPLY_MODES`); other owners form W.
+        self.apply: str = "weight"
         #: Why the layer is in its current mode; shown by :func:`log_decisions`.
         self.note: str = "not decomposed yet"
 
@@ -87,6 +95,30 @@ class LowRankWeight(nn.Module):
             if isinstance(saved, Tensor) and saved.shape != param.shape:
                 replace_data(param, torch.empty(saved.shape, dtype=param.dtype, device=param.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def factors_cheaper(m: int, n: int, r: int, rows: int) -> bool:
+    """Whether x·Bᵀ·Aᵀ needs fewer multiply-adds than forming W = A·B and x·Wᵀ, for ``rows`` rows of x.
+
+    Forming W costs m·r·n whatever the batch, applying it rows·m·n; the factors
+    cost rows·r·(m + n). The same ratio holds for the backward pass, whose
+    products have the same shapes.
+    """
+    return rows * r * (m + n) < m * r * n + rows * m * n
+
+
+def _linear_forward(self: nn.Linear, input: Tensor) -> Tensor:
+    """``nn.Linear.forward`` of a prepared layer: in lowrank mode, x·Bᵀ·Aᵀ where that is chosen.
+
+    The same function as forming W (up to rounding), with the gradients reaching
+    A and B; in full mode, or when W is chosen, exactly ``nn.Linear.forward``.
+    """
+    lr = self.parametrizations.weight[0]  # type: ignore[union-attr,index]
+    if lr.mode == "lowrank" and lr.apply != "weight":
+        rows = input.numel() // lr.n if input.dim() > 1 else 1
+        if lr.apply == "factors" or factors_cheaper(lr.m, lr.n, lr.rank, rows):
+            return F.linear(F.linear(input, lr.B), lr.A, self.bias)
+    return nn.Linear.forward(self, input)
 
 
 def replace_data(param: nn.Parameter, data: Tensor) -> None:
@@ -171,6 +203,7 @@ def prepare_model(
     *,
     full_rank_patterns: Sequence[str] = DEFAULT_FULL_RANK_PATTERNS,
     min_rank: int = 1,
+    apply: Apply = "weight",
 ) -> list[FactorizedParam]:
     """Put a :class:`LowRankWeight` (mode ``"full"``) on every factorisable weight of ``model``.
 
@@ -181,7 +214,17 @@ def prepare_model(
     hold at least as many numbers as W (:func:`factors_compress`). The model computes
     exactly the same function afterwards. Build the optimizer after this call.
     Records come in ``model.named_modules()`` order.
+
+    ``apply`` is how the weight of an ``nn.Linear`` (one whose class keeps
+    ``nn.Linear.forward``) is applied in lowrank mode: ``"weight"`` forms W = A·B at
+    every call, as every other owner (convolutions, attention) does; ``"factors"``
+    multiplies the input by Bᵀ, then by Aᵀ, and never forms the m×n product;
+    ``"auto"`` picks, at each call, whichever needs fewer multiply-adds for that
+    call's number of input rows (:func:`factors_cheaper`). The three compute the
+    same function, up to rounding.
     """
+    if apply not in APPLY_MODES:
+        raise ValueError(f"apply must be one of {APPLY_MODES}, got {apply!r}")
     if any(isinstance(mod, LowRankWeight) for mod in model.modules()):
         raise ValueError("model is already prepared for low-rank training; call prepare_model once per model")
     if min_rank < 1:
@@ -222,7 +265,12 @@ def prepare_model(
     # Registration mutates the module tree, so it happens after the walk above.
     for name, mod, pname, param in chosen:
         lr = LowRankWeight(param.shape, dtype=param.dtype, device=param.device)
+        linear = isinstance(mod, nn.Linear) and pname == "weight" and type(mod).forward is nn.Linear.forward
         parametrize.register_parametrization(mod, pname, lr)
+        if linear and apply != "weight":
+            lr.apply = apply
+            # An instance attribute: nn.Module.__call__ runs self.forward, so only this module changes.
+            mod.forward = types.MethodType(_linear_forward, mod)
         records.append(FactorizedParam(name, mod, pname, lr.shape, lr.m, lr.n, lr))
     return records
 

@@ -131,7 +131,8 @@ class ABTraining(Method):
             self.say("AB-training: the model was wrapped in DistributedDataParallel; training its .module "
                      "(AB-training averages gradients itself: drop the DDP wrapper, use the model prepare() returns)")
             model = model.module
-        self.records = lowrank.prepare_model(model, full_rank_patterns=self.cfg.patterns, min_rank=self.cfg.min_rank)
+        self.records = lowrank.prepare_model(model, full_rank_patterns=self.cfg.patterns, min_rank=self.cfg.min_rank,
+                                             apply=self.cfg.linear_apply)
         if self.cfg.init == "ortho-sigma":
             lowrank.ortho_sigma_init(self.records)
         lowrank.set_trainable(self.records, "full")
