@@ -145,6 +145,9 @@ def test_linear_layers_apply_their_factors_where_chosen(apply):
     # the subclass and the convolution form W: bit for bit what the W-forming model computes
     assert type(model[2]).forward is type(ref[2]).forward and "forward" not in vars(model[2])
     assert "forward" not in vars(model[3])
+    with torch.no_grad():
+        h, z = torch.randn(3, 48), torch.randn(3, 40, 5)
+        assert torch.equal(model[2](h), ref[2](h)) and torch.equal(model[3](z), ref[3](z))
     x = torch.randn(3, 64)
     out, out_ref = model[:3](x), ref[:3](x)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)

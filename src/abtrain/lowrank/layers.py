@@ -101,8 +101,9 @@ def factors_cheaper(m: int, n: int, r: int, rows: int) -> bool:
     """Whether x·Bᵀ·Aᵀ needs fewer multiply-adds than forming W = A·B and x·Wᵀ, for ``rows`` rows of x.
 
     Forming W costs m·r·n whatever the batch, applying it rows·m·n; the factors
-    cost rows·r·(m + n). The same ratio holds for the backward pass, whose
-    products have the same shapes.
+    cost rows·r·(m + n). The backward pass needs products of the same sizes (the
+    input's gradient and the trained factor's: about two of each), so the choice
+    holds for it approximately.
     """
     return rows * r * (m + n) < m * r * n + rows * m * n
 
@@ -115,7 +116,7 @@ def _linear_forward(self: nn.Linear, input: Tensor) -> Tensor:
     """
     lr = self.parametrizations.weight[0]  # type: ignore[union-attr,index]
     if lr.mode == "lowrank" and lr.apply != "weight":
-        rows = input.numel() // lr.n if input.dim() > 1 else 1
+        rows = max(1, input.numel() // lr.n)
         if lr.apply == "factors" or factors_cheaper(lr.m, lr.n, lr.rank, rows):
             return F.linear(F.linear(input, lr.B), lr.A, self.bias)
     return nn.Linear.forward(self, input)

@@ -66,7 +66,7 @@ class ABConfig(Options):
     powersgd_rank: int = opt(8, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
-    linear_apply: str = opt("weight", "how a low-rank nn.Linear applies its factors: weight (form W = A B at every step, as convolutions do), factors (the input times B^T, then A^T: no m x n product), or auto (whichever needs fewer multiply-adds for the step's batch); the same function up to rounding", choices=lowrank.APPLY_MODES)
+    linear_apply: str = opt("weight", "how a low-rank nn.Linear applies its factors: weight (form W = A B at every step, as convolutions do), factors (the input times B^T, then A^T: no m x n product), or auto (whichever needs fewer multiply-adds for each call's batch); the same function up to rounding", choices=lowrank.APPLY_MODES)
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
