@@ -222,6 +222,14 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "tangent-lowrank-factors": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                                  "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
                                  "linear_apply": "factors"}, "sgd", 3 * K, False),
+    # the same with the moments mapped into each new basis (the defaults' policy) and, next, each decomposition
+    # after a sync finding W's SVD from the SVD before it and the rank-3 change
+    "tangent-lowrank-map": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
+                             "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "optimizer_state": "map"},
+                            "sgd", 3 * K, False),
+    "tangent-lowrank-update": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
+                                "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "optimizer_state": "map",
+                                "svd": "update"}, "sgd", 3 * K, False),
     # the same in bfloat16: the rounding of P and Q' goes into the error memories
     "tangent-lowrank-bf16": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                               "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_dtype": "bf16"},
@@ -570,6 +578,31 @@ def test_factored_linear_layers_train_the_same_model_and_send_the_same_bytes(run
         # After the first two syncs W differs by rounding only (measured ~1e-6). Later the rank-3 approximation
         # of the change can pick other directions from nearly equal candidates, so the runs may part more.
         for i in range(2):
+            for name, w in o["syncs"][i]["after"]["W"].items():
+                rw = r["syncs"][i]["after"]["W"][name]
+                assert float((w - rw).norm() / rw.norm()) < 1e-4, (i, name)
+        for phase, got in o["summary"]["by_phase"].items():
+            assert got["payload_bytes"] == r["summary"]["by_phase"][phase]["payload_bytes"], phase
+
+
+def test_updated_svds_give_the_same_training_and_bytes(runs):
+    """svd="update": the decompositions after the second and third syncs (ranks 30 of 40; the first phase is at full
+    rank, where r + q exceeds min(m, n) and the full SVD is taken) find W's SVD from the parts the sync left; the same syncs as
+    with full SVDs (one model everywhere, a rank-q change with its memory), the same factor products and models up
+    to rounding, the same bytes."""
+    outs, ref = runs["tangent-lowrank-update"], runs["tangent-lowrank-map"]
+    _check_lowrank_syncs(outs, q=3, element_bytes=4, projected=True)
+    for o, r in zip(outs, ref):
+        # two layers at each decomposition: steps 3 and 6 full, steps 12 and 18 (the unplanned run goes on) updated
+        assert o["results"]["svd_counts"] == {"full": 4, "updated": 4}
+        assert r["results"]["svd_counts"] == {"full": 8, "updated": 0}
+        after = next(s["after"] for s in o["steps"] if s["t"] == 2 * K)
+        ref_after = next(s["after"] for s in r["steps"] if s["t"] == 2 * K)
+        for name in after["A"]:
+            assert after["A"][name].shape == ref_after["A"][name].shape == (40 if name == "body.weight" else 48, 30)
+            ab, ref_ab = after["A"][name] @ after["B"][name], ref_after["A"][name] @ ref_after["B"][name]
+            assert float((ab - ref_ab).norm() / ref_ab.norm()) < 1e-5, name
+        for i in range(3):  # the last sync follows a phase trained from the updated factors
             for name, w in o["syncs"][i]["after"]["W"].items():
                 rw = r["syncs"][i]["after"]["W"][name]
                 assert float((w - rw).norm() / rw.norm()) < 1e-4, (i, name)

@@ -109,6 +109,7 @@ BAD = [
     (["--method", "ab", "--group-size", "1", "--ab-split", "tangent", "--ab-sync", "with-stale"],
      "use --ab-sync only-learned"),
     (["--method", "ab", "--group-size", "1", "--ab-sync-flush"], "needs --ab-sync-payload lowrank"),
+    (["--method", "ab", "--group-size", "1", "--ab-svd", "update"], "use it with --ab-sync-payload lowrank"),
     (["--method", "ab", "--group-size", "1", "--ab-tangent-core", "mean"], "use it with --ab-split tangent"),
 ]
 
@@ -185,7 +186,7 @@ FLAGS = {
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-dense-start-steps", "--ab-powersgd-rank",
     "--ab-powersgd-dtype",
     "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank", "--ab-sync-flush", "--no-ab-sync-flush",
-    "--ab-tangent-core",
+    "--ab-tangent-core", "--ab-svd",
     "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",

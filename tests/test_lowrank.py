@@ -287,6 +287,48 @@ def test_decompose_keeps_parameter_identity_and_rejects_bad_ranks():
         lr.decompose(fp, 0)
 
 
+def _lowrank_sum(m: int, n: int, r: int, q: int, seed: int = 0) -> lr.LowRankSum:
+    """The SVD (U, σ, Vᵀ) of a random rank-r matrix, a core changed away from diag(σ), and a rank-q P·Qᵀ."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(m, r, generator=gen))[0]
+    v = torch.linalg.qr(torch.randn(n, r, generator=gen))[0]
+    core = torch.diag(torch.linspace(2.0, 0.1, r)) + 0.01 * torch.randn(r, r, generator=gen)
+    p, q_ = 0.3 * torch.randn(m, q, generator=gen), torch.randn(n, q, generator=gen)
+    p[:, 0] = u[:, 0] + 1e-3 * p[:, 0]  # a direction nearly inside U: the orthogonal part must still be found
+    return lr.LowRankSum(u, core, v.T, p, q_)
+
+
+def test_updated_svd_equals_the_svd_of_the_sum():
+    fp = lr.prepare_model(_build(MLP))[0]  # 32x16
+    parts = _lowrank_sum(fp.m, fp.n, r=8, q=3)
+    w = parts.U @ parts.core @ parts.Vh + parts.P @ parts.Q.T
+    fp.weight.data.copy_(w)
+    u, s, vh = lr.svd_update(fp, parts)
+    assert u.shape == (32, 11) and vh.shape == (11, 16) and s.shape == (16,)
+    assert torch.equal(s[11:], torch.zeros(5))  # W's other singular values: zero, as the rank rules expect
+    torch.testing.assert_close(s, torch.linalg.svdvals(w), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close((u * s[:11]) @ vh, w, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(u.T @ u, torch.eye(11), atol=2e-6, rtol=0)
+    torch.testing.assert_close(vh @ vh.T, torch.eye(11), atol=2e-6, rtol=0)
+    lr.decompose(fp, 11, usv=(u, s, vh))  # cut from the updated SVD
+    torch.testing.assert_close(fp.A @ fp.B, w, atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="holds 11 singular vectors"):
+        lr.decompose(fp, 12, usv=(u, s, vh))
+
+
+def test_updated_svd_is_refused_where_it_does_not_hold():
+    fp = lr.prepare_model(_build(MLP))[0]
+    parts = _lowrank_sum(fp.m, fp.n, r=8, q=3)
+    w = parts.U @ parts.core @ parts.Vh + parts.P @ parts.Q.T
+    fp.weight.data.copy_(w + 1e-3 * torch.randn(w.shape))  # W moved since the parts were taken
+    assert lr.svd_update(fp, parts) is None
+    fp.weight.data.copy_(w)
+    assert lr.svd_update(fp, parts._replace(P=1.01 * parts.P)) is None  # parts that are not W
+    wide = _lowrank_sum(fp.m, fp.n, r=14, q=3)  # r + q >= min(m, n): nothing smaller than W's own SVD
+    fp.weight.data.copy_(wide.U @ wide.core @ wide.Vh + wide.P @ wide.Q.T)
+    assert lr.svd_update(fp, wide) is None
+
+
 def test_svd_of_non_finite_weight_names_the_layer():
     fp = lr.prepare_model(_build(MLP))[0]
     fp.weight.data[0, 0] = float("nan")
@@ -518,6 +560,40 @@ def test_map_state_carries_momentum_into_the_new_basis(trained):
     # keep (resize) instead would keep the old basis' columns: not the same momentum
     assert not torch.allclose(got, (w_momentum @ frozen.T)[:, :4] if trained == "A" else (frozen.T @ w_momentum)[:4],
                               atol=1e-2)
+
+
+@pytest.mark.parametrize("trained", ["A", "B"])
+@pytest.mark.parametrize("split", ["sigma", "sqrt"])
+def test_map_state_through_an_orthonormal_frozen_factor_needs_no_pseudo_inverse(trained, split, monkeypatch):
+    """σ in the trained factor leaves the frozen one U or Vᵀ: its transpose is its pseudo-inverse, so both
+    ways map the moments alike; with √σ in both factors the check fails and the pseudo-inverse is taken."""
+    def mapped(orthonormal):
+        torch.manual_seed(0)
+        layer = nn.Linear(16, 32)
+        (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
+        lr.decompose(fp, 6, split=split, sigma_in=trained)
+        lr.set_trainable([fp], trained)
+        opt = torch.optim.AdamW([fp.A, fp.B, layer.bias], lr=0.01)
+        frozen = (fp.B if trained == "A" else fp.A).detach().clone()
+        for _ in range(3):
+            opt.zero_grad()
+            layer(torch.randn(8, 16)).pow(2).sum().backward()
+            opt.step()
+        lr.recompose(fp)
+        lr.decompose(fp, 4, split=split, sigma_in=trained, optimizer=opt, moments_against=(trained, frozen),
+                      frozen_orthonormal=orthonormal)
+        state = opt.state[fp.A if trained == "A" else fp.B]
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    m0, v0 = mapped(False)
+    if split == "sigma":  # the transpose must serve: a pseudo-inverse would fail the test
+        monkeypatch.setattr(torch.linalg, "pinv", lambda *a, **k: pytest.fail("pinv of an orthonormal factor"))
+    m1, v1 = mapped(True)
+    if split == "sqrt":
+        assert torch.equal(m0, m1) and torch.equal(v0, v1)
+    else:
+        torch.testing.assert_close(m1, m0, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-9)
 
 
 def test_map_state_of_a_mere_reparametrisation_changes_adam_moments_only_by_sign():

@@ -143,7 +143,7 @@ class PowerSGDReducer(Reducer):
 
     def __init__(self, comm: Communicator, rank: int = 4, *, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 seed: int = 0, wire_dtype: torch.dtype | None = None) -> None:
+                 seed: int = 0, wire_dtype: torch.dtype | None = None, keep_factors: bool = False) -> None:
         super().__init__(comm)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
@@ -157,6 +157,9 @@ class PowerSGDReducer(Reducer):
         self.errors: dict[str, torch.Tensor] = {}
         self.qs: dict[str, torch.Tensor] = {}
         self.seen: set[tuple[str, ...]] = set()  # sets of tensors whose Qs were drawn
+        # keep_factors: each compressed tensor's P and Q of the last call (the result is P·Qᵀ), for take_factors
+        self.keep_factors = keep_factors
+        self._factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.numel_before = 0  # elements handed to the compressed reductions
         self.numel_after = 0  # elements they sent: uncompressed tensors, every P and Q
 
@@ -180,6 +183,7 @@ class PowerSGDReducer(Reducer):
 
     @torch.no_grad()
     def reduce(self, grads: NamedGrads, group: Group) -> None:
+        self._factors = {}
         if group.size <= 1 or not grads:
             return
         if self.error_feedback:
@@ -243,11 +247,19 @@ class PowerSGDReducer(Reducer):
             self._all_reduce(q_flat, group, average=True)
             for (_, m, _), p, q in zip(low, ps, qs):
                 torch.bmm(p, q.transpose(1, 2), out=m)
+            if self.keep_factors:
+                self._factors = {name: (p[0], q[0]) for (name, _, _), p, q in zip(low, ps, qs)}
             if self.warm_start:
                 self.qs.update((name, q) for (name, _, _), q in zip(low, qs))
         if self.error_feedback:
             for (name, g), before in zip(grads, sent):
                 self.errors[name] = before - g  # what this worker's gradient lost in the reduction
+
+    def take_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """With ``keep_factors``: P (m×r) and Q (n×r) of each tensor the last call compressed (that tensor,
+        viewed m×n, now holds P·Qᵀ), by name; emptied, so that a later call's factors never pass for older ones."""
+        factors, self._factors = self._factors, {}
+        return factors
 
     def take_error(self, name: str) -> torch.Tensor | None:
         """What this worker's reductions of ``name`` have not delivered yet (in the scale its tensors were

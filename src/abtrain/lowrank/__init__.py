@@ -16,7 +16,7 @@ Parameter objects; :func:`resize_state` (called by :func:`decompose` when given
 the optimizer) keeps the optimizer's moment buffers in step with the new ranks.
 
 This package is single-process. Where workers must agree (the rank of each layer),
-the pieces are exposed separately: :func:`svd` -> :meth:`RankRule.choose` ->
+the pieces are exposed separately: :func:`svd` (or :func:`svd_update`) -> :meth:`RankRule.choose` ->
 all-reduce(MAX) by the caller -> :func:`decompose` / :func:`decompose_all`.
 
 Its rooms: ``layers`` (the parametrization, preparing a model, modes, plain
@@ -25,8 +25,8 @@ state, initialisation), ``report`` (counts, ratios, per-layer lines, the output 
 """
 
 
-from .decompose import (SVD, SVDError, decompose, decompose_all, map_state, ortho_sigma_init, recompose,
-                        reset_state, resize_state, svd)
+from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, map_state, ortho_sigma_init,
+                        recompose, reset_state, resize_state, svd, svd_update)
 from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
                      plain_state_dict, prepare_model, set_mode, set_trainable)
 from .ranks import RankRule, factors_compress
@@ -37,6 +37,7 @@ __all__ = [
     "APPLY_MODES",
     "DEFAULT_FULL_RANK_PATTERNS",
     "FactorizedParam",
+    "LowRankSum",
     "LowRankWeight",
     "RankRule",
     "SVD",
@@ -63,4 +64,5 @@ __all__ = [
     "set_mode",
     "set_trainable",
     "svd",
+    "svd_update",
 ]

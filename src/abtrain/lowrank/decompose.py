@@ -44,6 +44,76 @@ def svd(fp: FactorizedParam) -> SVD:
     raise SVDError(f"SVD of {fp.name} ({fp.m}x{fp.n}) failed in float32 and float64")
 
 
+UPDATE_RTOL = 1e-4  # largest relative residual ‖W − U·S·Vh‖/‖W‖ an updated SVD may leave
+
+
+class LowRankSum(NamedTuple):
+    """W written as U·core·Vh + P·Qᵀ: U (m×r) and Vhᵀ (n×r) with orthonormal columns, core r×r, P m×q, Q n×q."""
+
+    U: Tensor
+    core: Tensor
+    Vh: Tensor
+    P: Tensor
+    Q: Tensor
+
+
+def _orthogonal_part(x: Tensor, basis: Tensor) -> Tensor:
+    """x minus its projection on the orthonormal columns of ``basis``, projected twice ("twice is enough":
+    one classical Gram-Schmidt pass loses orthogonality where x lies mostly inside the basis)."""
+    x = x - basis @ (basis.T @ x)
+    return x - basis @ (basis.T @ x)
+
+
+def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL) -> SVD | None:
+    """The SVD of W = U·core·Vh + P·Qᵀ from those parts, checked against W; None where the check fails.
+
+    After a sync whose change of W has rank q (the low-rank sync payload), W is the SVD the
+    phase started from plus that change: its columns lie in span[U, P], its rows in
+    span[Vhᵀ, Q]. P and Q are split into their parts inside and outside those bases
+    (one QR each); W's SVD is then the SVD of an (r+q)×(r+q) matrix carried back to
+    m and n dimensions (Brand 2006, "Fast low-rank modifications of the thin singular
+    value decomposition"): r+q columns in place of min(m, n), exact up to rounding.
+
+    The result is checked against the weight itself: where the relative residual
+    ‖W − U·S·Vh‖_F / ‖W‖_F exceeds ``rtol`` (at least 4 ulps of W's dtype) (W changed since the parts were
+    taken, or rounding went wrong), None is returned and the caller falls back to
+    :func:`svd`. U and Vh hold r+q singular vectors; S is padded with zeros to
+    min(m, n) values (W's other singular values are zero), so that rank rules see the
+    length they see after a full SVD. A rank above r+q needs :func:`svd`.
+    """
+    stored = fp.effective_weight()
+    w = stored.reshape(fp.m, fp.n).float()
+    rtol = max(rtol, 4 * torch.finfo(stored.dtype).eps)  # W held in a narrow dtype is only that close to the sum
+    u, core, vh = parts.U.float(), parts.core.float(), parts.Vh.float()
+    p, q = parts.P.float(), parts.Q.float()
+    r, k = u.shape[1], u.shape[1] + p.shape[1]
+    if k >= min(fp.m, fp.n):
+        return None  # no smaller problem than W's own SVD
+    v = vh.T
+    pu, qv = u.T @ p, vh @ q  # the parts of P and Q inside the bases
+    op, rp = torch.linalg.qr(_orthogonal_part(p, u))
+    oq, rq = torch.linalg.qr(_orthogonal_part(q, v))
+    middle = torch.cat([torch.cat([core + pu @ qv.T, pu @ rq.T], 1),
+                        torch.cat([rp @ qv.T, rp @ rq.T], 1)], 0)
+    try:
+        uk, s, vkh = torch.linalg.svd(middle, full_matrices=False)
+    except RuntimeError as err:  # no convergence: the full SVD decides
+        logger.warning("updated SVD of %s failed: %s", fp.name, err)
+        return None
+    new_u = torch.cat([u, op], 1) @ uk
+    new_vh = vkh @ torch.cat([vh, oq.T], 0)
+    if not all(bool(torch.isfinite(t).all()) for t in (new_u, s, new_vh)):
+        return None
+    residual = torch.linalg.matrix_norm(w - (new_u * s) @ new_vh) / torch.linalg.matrix_norm(w).clamp_min(1e-30)
+    if float(residual) > rtol:
+        logger.info("updated SVD of %s leaves a relative residual of %.2e (> %.0e): full SVD instead",
+                    fp.name, float(residual), rtol)
+        return None
+    padded = torch.zeros(min(fp.m, fp.n), dtype=s.dtype, device=s.device)
+    padded[:k] = s
+    return SVD(new_u, padded, new_vh)
+
+
 def _set_grads_none(*params: nn.Parameter) -> None:
     for p in params:
         p.grad = None
@@ -58,6 +128,7 @@ def decompose(
     sigma_in: Factor = "A",
     optimizer: torch.optim.Optimizer | None = None,
     moments_against: tuple[Factor, Tensor] | None = None,
+    frozen_orthonormal: bool = False,
 ) -> None:
     """Cut the SVD of W (``usv`` if already computed, else :func:`svd`) at ``rank`` (None: full rank) into A, B.
 
@@ -67,13 +138,16 @@ def decompose(
     the state of A and B is resized to the new rank (:func:`resize_state`); with
     ``moments_against`` = (factor trained, the frozen factor it was trained against)
     the trained factor's state is instead mapped into the new factors' basis
-    (:func:`map_state`). The layer switches to lowrank mode.
+    (:func:`map_state`; ``frozen_orthonormal``: its argument). The layer switches to lowrank mode.
     """
     u, s, vh = usv if usv is not None else svd(fp)
     full = int(s.numel())
     r = full if rank is None else int(rank)
     if not 1 <= r <= full:
         raise ValueError(f"rank for {fp.name} must be in [1, {full}], got {rank}")
+    if r > u.shape[1]:
+        raise ValueError(f"{fp.name}: the SVD given holds {u.shape[1]} singular vectors (an updated SVD), "
+                         f"rank {r} needs the full one (svd)")
     if split == "sqrt":
         root = s[:r].sqrt()
         a = u[:, :r] * root
@@ -95,7 +169,7 @@ def decompose(
     if optimizer is not None:
         mapped = moments_against[0] if moments_against is not None else None
         if mapped is not None:
-            map_state(optimizer, fp, factor=mapped, frozen=moments_against[1])
+            map_state(optimizer, fp, factor=mapped, frozen=moments_against[1], orthonormal=frozen_orthonormal)
         for name, factor in (("A", fp.A), ("B", fp.B)):
             if name != mapped:
                 resize_state(optimizer, factor, factor=name, new_rank=r)
@@ -113,6 +187,7 @@ def decompose_all(
     sigma_in: Factor = "A",
     optimizer: torch.optim.Optimizer | None = None,
     moments_against: dict[str, tuple[Factor, Tensor]] | None = None,
+    frozen_orthonormal: bool = False,
 ) -> list[bool]:
     """Decompose each record at its (already agreed) rank where it pays; return which were.
 
@@ -120,7 +195,7 @@ def decompose_all(
     recomposed if needed and stays in full mode for this AB phase. Pass
     ``min_compression=None`` to factorise everything (the first, untruncated
     decomposition: full rank never pays). ``svds`` defaults to fresh :func:`svd` calls.
-    ``moments_against`` (by layer name) is :func:`decompose`'s, for the layers it names.
+    ``moments_against`` (by layer name) and ``frozen_orthonormal`` are :func:`decompose`'s.
     """
     if len(ranks) != len(records) or (svds is not None and len(svds) != len(records)):
         raise ValueError("records, ranks and svds must have the same length")
@@ -139,7 +214,7 @@ def decompose_all(
             done.append(False)
             continue
         decompose(fp, r, usv=usv, split=split, sigma_in=sigma_in, optimizer=optimizer,
-                  moments_against=(moments_against or {}).get(fp.name))
+                  moments_against=(moments_against or {}).get(fp.name), frozen_orthonormal=frozen_orthonormal)
         done.append(True)
     return done
 
@@ -222,10 +297,12 @@ def resize_state(optimizer: torch.optim.Optimizer, param: Tensor, *, factor: Fac
 FIRST_MOMENTS = ("momentum_buffer", "exp_avg")
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
 PINV_RTOL = 1e-6
+ORTHONORMAL_ATOL = 1e-4  # largest |Gram - I| entry of a frozen factor map_state reads as orthonormal
 
 
 @torch.no_grad()
-def map_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: Factor, frozen: Tensor) -> None:
+def map_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: Factor, frozen: Tensor,
+              orthonormal: bool = False) -> None:
     """Carry the optimizer state of trained ``factor`` into the basis of the new A and B (already in place).
 
     The state was gathered as gradients of W = A·B₀ with respect to A, i.e.
@@ -238,18 +315,28 @@ def map_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: 
     B), exactly how a gradient transforms. Second moments, averages of squared
     gradients, go through T∘T (exact for a signed permutation, and never
     negative). Other state (Adam's ``step``) is kept; state of other shapes is resized.
+
+    ``orthonormal``: the frozen factor has orthonormal rows (B₀) or columns (A₀), as the
+    tangent split's Vᵀ and U have, so its pseudo-inverse is its transpose: checked
+    (k×k Gram matrix against the identity), the SVD of a pseudo-inverse saved where it holds.
     """
     param = fp.A if factor == "A" else fp.B
     state = optimizer.state.get(param)
     if not state:
         return
     f = frozen.to(torch.float32)
+    rows = f if factor == "A" else f.T  # the frozen factor's k vectors, as rows
+    if orthonormal:
+        gram = rows @ rows.T
+        orthonormal = bool((gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).abs().max()
+                           < ORTHONORMAL_ATOL)
     # rtol: directions the frozen factor does not span carry no gradient, and must not blow up rounding
+    inverse = f if orthonormal else torch.linalg.pinv(f.T, rtol=PINV_RTOL)  # (f^T)^+
     if factor == "A":  # frozen B₀: k×n, new B': r×n; T: k×r, applied on the right of the m×k moments
-        t = torch.linalg.pinv(f.T, rtol=PINV_RTOL) @ fp.B.detach().to(torch.float32).T
+        t = inverse @ fp.B.detach().to(torch.float32).T
         expected = (fp.A.shape[0], f.shape[0])
     else:  # frozen A₀: m×k, new A': m×r; T: r×k, applied on the left of the k×n moments
-        t = fp.A.detach().to(torch.float32).T @ torch.linalg.pinv(f.T, rtol=PINV_RTOL)
+        t = fp.A.detach().to(torch.float32).T @ inverse
         expected = (f.shape[1], fp.B.shape[1])
     for key, value in list(state.items()):
         if isinstance(value, Tensor) and tuple(value.shape) == expected and key in FIRST_MOMENTS + SECOND_MOMENTS:

@@ -45,6 +45,16 @@ LOSS_JUMP = 1.5  # a truncation that lifts the training loss by this factor is r
 LOSS_WINDOW = 10  # steps of training loss compared before and after a truncation
 
 
+def _merged_parts(basis: lowrank.SVD, p: torch.Tensor, q: torch.Tensor, core: float) -> lowrank.LowRankSum:
+    """The tangent merge of a change P·Qᵀ into the SVD (U, σ, Vᵀ) the phase started from, as parts:
+    UσVᵀ + PQᵀ − (1 − core)·U(UᵀPQᵀV)Vᵀ = U·(diag σ − (1 − core)·(UᵀP)(VᵀQ)ᵀ)·Vᵀ + P·Qᵀ."""
+    u, s, vh = basis
+    middle = torch.diag(s)
+    if core != 1.0:
+        middle = middle - (1.0 - core) * ((u.T @ p) @ (vh @ q).T)
+    return lowrank.LowRankSum(u, middle, vh, p, q)
+
+
 class ABTraining(Method):
     """AB-training around the user's optimizer. See the module docstring for the schedule."""
 
@@ -91,8 +101,15 @@ class ABTraining(Method):
         self._bases: dict[str, lowrank.SVD] = {}  # split="tangent": the SVD each low-rank layer started from
         # sync_payload="lowrank": PowerSGD on the summed change of W, its error memories and warm-start Qs
         self._compressor = (PowerSGDReducer(comm, rank=self.cfg.sync_rank, min_compression_rate=1.0,
-                                            orthogonalization_epsilon=1e-8, wire_dtype=self.wire_dtype)
+                                            orthogonalization_epsilon=1e-8, wire_dtype=self.wire_dtype,
+                                            keep_factors=self.cfg.svd == "update")
                             if self.cfg.sync_payload == "lowrank" else None)
+        # svd="update": each layer's W as the SVD its phase started from plus the sync's rank-q change, from the
+        # sync to the decomposition that follows it in the same step (never across a step, so never checkpointed)
+        self._parts: dict[str, lowrank.LowRankSum] = {}
+        # svd="update" (tangent split): the frozen factor is U or Vᵀ, so mapping moments needs no pseudo-inverse
+        self._fast_map = self.cfg.svd == "update"
+        self.svd_counts = {"full": 0, "updated": 0}
         if not self.cfg.needs_budget:
             self.set_total_steps(None)
 
@@ -236,6 +253,7 @@ class ABTraining(Method):
             self._sync(optimizer)
         if decompose:
             self._decompose(optimizer, truncate=self.cfg.truncate_first or bool(self.ranks))
+        self._parts = {}  # W changes at the next step
         if sync or decompose or self.phase_at(self.t) != self.phase_at(self.t - 1):
             self._switch_step = self.t
         self._watch_gradients()
@@ -273,6 +291,30 @@ class ABTraining(Method):
                                                 s.Vh[:fp.rank].clone())
                            for fp, s in zip(records, svds) if fp.mode == "lowrank"}
 
+    def _svd(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
+        """W's SVD: updated from the parts the sync left (svd="update") where they hold and check out, else full."""
+        parts = self._parts.get(fp.name)
+        if parts is not None:
+            usv = lowrank.svd_update(fp, parts)
+            if usv is not None:
+                self.svd_counts["updated"] += 1
+                return usv
+        self.svd_counts["full"] += 1
+        return lowrank.svd(fp)
+
+    def _full_where_needed(self, records: list[lowrank.FactorizedParam], svds: list[lowrank.SVD],
+                           ranks: list[int | None]) -> list[lowrank.SVD]:
+        """An updated SVD holds r+q singular vectors: a layer cut at a higher rank (None: full) gets the full SVD.
+        Every worker holds the same W and parts, so each takes the same branch."""
+        out = []
+        for fp, usv, r in zip(records, svds, ranks):
+            if (min(fp.m, fp.n) if r is None else r) > usv.U.shape[1]:
+                self.svd_counts["updated"] -= 1
+                self.svd_counts["full"] += 1
+                usv = lowrank.svd(fp)
+            out.append(usv)
+        return out
+
     def _trained_role(self) -> str:
         return "B" if self.cfg.sync == "only-b" else self.role
 
@@ -281,7 +323,7 @@ class ABTraining(Method):
         start = time.perf_counter()
         records = [fp for fp in self.records if fp.name not in self.kept]
         with torch.profiler.record_function("abtrain::ab::decompose"), self.comm.ledger.in_phase("sync"):
-            svds = [lowrank.svd(fp) for fp in records]
+            svds = [self._svd(fp) for fp in records]
             if truncate:
                 floor = [min(self.cfg.min_rank, int(s.S.numel())) for s in svds]
                 ranks = torch.tensor([max(f, self.rule.choose(s.S)) for f, s in zip(floor, svds)],
@@ -293,11 +335,12 @@ class ABTraining(Method):
             else:
                 chosen = [None] * len(records)
                 min_compression = None
+            svds = self._full_where_needed(records, svds, chosen)
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
             lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
                                   split=self._split(), sigma_in=self._sigma_in(), optimizer=optimizer,
-                                  moments_against=self._take_frozen())
+                                  moments_against=self._take_frozen(), frozen_orthonormal=self._fast_map)
             lowrank.set_trainable(self.records, self._trained_role())
             self._keep_bases(records, svds)
         self.svd_seconds += time.perf_counter() - start
@@ -351,10 +394,13 @@ class ABTraining(Method):
                                      as_change=self._send_as_change(low, bases), compressor=self._compressor,
                                      flush=self.cfg.sync_flush and (last or not self._sched().ab_after(self.t)))
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
+            factors = self._compressor.take_factors() if self._compressor is not None else {}
+            core = TANGENT_CORES[self.cfg.tangent_core]
             for fp in low:
                 if fp.mode == "lowrank":
-                    lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name),
-                                      core=TANGENT_CORES[self.cfg.tangent_core])
+                    lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name), core=core)
+                    if fp.name in factors and fp.name in bases:
+                        self._parts[fp.name] = _merged_parts(bases[fp.name], *factors[fp.name], core)
             self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
@@ -403,11 +449,12 @@ class ABTraining(Method):
         low = [fp for fp in self.records if fp.name in ranks]
         start = time.perf_counter()
         with torch.profiler.record_function("abtrain::ab::decompose"):
-            svds = [lowrank.svd(fp) for fp in low]
+            svds = self._full_where_needed(low, [self._svd(fp) for fp in low], [ranks[fp.name] for fp in low])
+            self._parts = {}
             lowrank.decompose_all(low, [ranks[fp.name] for fp in low], svds,
                                   min_compression=None, split=self._split(), sigma_in=self._sigma_in(),
                                   optimizer=optimizer,
-                                  moments_against=self._take_frozen())
+                                  moments_against=self._take_frozen(), frozen_orthonormal=self._fast_map)
             lowrank.set_trainable(self.records, self._trained_role())
             self._keep_bases(low, svds)
         self.svd_seconds += time.perf_counter() - start
@@ -417,6 +464,7 @@ class ABTraining(Method):
         """End inside an AB phase with a last sync, so that every worker holds the same full-rank model."""
         if not self.in_consensus():
             self._sync(optimizer, last=True)
+            self._parts = {}  # no decomposition follows
             self._switch_step = self.t
         elif self._bases and self.phase == "ab":
             self._settle_tangent()
@@ -442,6 +490,7 @@ class ABTraining(Method):
                          "lr_rebound_steps": sched.lr_rebound, "final_rebound_steps": sched.final_rebound},
             "kept_output_layers": self.kept,
             "svd_seconds": self.svd_seconds,
+            "svd_counts": dict(self.svd_counts),
             "sync_seconds": self.sync_seconds,
             "role": self.role,
         }
@@ -450,7 +499,7 @@ class ABTraining(Method):
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
-                "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
+                "svd_counts": dict(self.svd_counts), "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
                 "bases": {name: tuple(b) for name, b in self._bases.items()},
                 "sync_compressor": self._compressor.state_dict() if self._compressor is not None else None}
 
@@ -467,6 +516,7 @@ class ABTraining(Method):
             self._stop_output_search()  # the output layer was looked for before the checkpoint
         self.svd_seconds = state["svd_seconds"]
         self.sync_seconds = state["sync_seconds"]
+        self.svd_counts = dict(state.get("svd_counts", {"full": 0, "updated": 0}))
         self.ratio = state["ratio"]
         self.dense.load_state_dict(state["dense"])
         self._frozen = dict(state.get("frozen", {}))

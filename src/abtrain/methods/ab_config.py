@@ -16,6 +16,7 @@ SPLITS = ("sqrt", "sigma", "tangent")
 SYNC_PAYLOADS = ("factors", "smaller", "lowrank")
 TANGENT_CORES = {"sum": 1.0, "mean": 0.5}  # --ab-tangent-core: the weight of the shared part U·X·Vᵀ in the merge
 STATE_POLICIES = ("keep", "map", "reset")
+SVD_MODES = ("full", "update")
 INITS = ("default", "ortho-sigma")
 DEFAULT_TAU = 0.15  # the reference experiments' relative cut-off
 
@@ -58,6 +59,7 @@ class ABConfig(Options):
     tangent_core: str = opt("sum", "with --ab-split tangent --ab-sync only-learned: how the sync combines the part of the groups' changes that both can make, U X V^T (inside the top-r left and right singular vectors): sum (each group's change added whole) or mean (that part averaged, the rest added: one plain gradient step of each group then merges into one step along the tangent space)", choices=tuple(TANGENT_CORES))
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank (a layer whose q*(m+n) is not below m*n sends the smaller of its change and its factors)")
     sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed layer's change whole (m*n numbers), with what its error memory held, so that the final model holds every change the groups made")
+    svd: str = opt("full", "how the decomposition after a sync finds W's SVD: full (an SVD of the m x n weight) or update (with --ab-sync-payload lowrank: W is the SVD the phase started from plus the rank-q change the sync added, so its SVD comes from an (r+q) x (r+q) one; checked against W, a full SVD where the check fails); the same factors up to rounding", choices=SVD_MODES)
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
@@ -109,6 +111,9 @@ class ABConfig(Options):
         if self.tangent_core != "sum" and (self.split != "tangent" or self.sync != "only-learned"):
             raise ValueError(f"--ab-tangent-core {self.tangent_core} changes how the tangent merge adds the groups' "
                              "changes: use it with --ab-split tangent --ab-sync only-learned")
+        if self.svd == "update" and self.sync_payload != "lowrank":
+            raise ValueError("--ab-svd update takes W's SVD from the rank-q change that --ab-sync-payload lowrank "
+                             f"sends: use it with --ab-sync-payload lowrank (got {self.sync_payload})")
         if self.sync_flush and self.sync_payload != "lowrank":
             raise ValueError("--ab-sync-flush sends what the error memories of --ab-sync-payload lowrank hold; "
                              f"it needs --ab-sync-payload lowrank (got {self.sync_payload})")
