@@ -247,6 +247,27 @@ def test_tangent_merge_with_the_core_halved_is_one_step_along_the_tangent_space(
     assert not torch.allclose(pu @ g @ pv, torch.zeros_like(g), atol=1e-3)  # the two differ
 
 
+@pytest.mark.parametrize("core", [1.0, 0.5])
+def test_tangent_merge_from_parts_is_the_merge_of_the_change(core):
+    """recompose(parts=tangent_parts(basis, P, Q, core)) is recompose(basis, P·Qᵀ, core) up to rounding."""
+    fp = lr.prepare_model(_build(MLP))[0]
+    r = 5
+    u, s, vh = lr.svd(fp)
+    basis = lr.SVD(u[:, :r], s[:r], vh[:r])
+    p, q = torch.randn(fp.m, 3), torch.randn(fp.n, 3)
+    lr.decompose(fp, r, usv=basis, split="sigma", sigma_in="A")
+    lr.recompose(fp, basis, p @ q.T, core=core)
+    expected = fp.weight.detach().clone()
+    lr.decompose(fp, r, usv=basis, split="sigma", sigma_in="A")
+    parts = lr.tangent_parts(basis, p, q, core)
+    lr.recompose(fp, parts=parts)
+    torch.testing.assert_close(fp.weight.detach(), expected, rtol=0, atol=1e-5)
+    assert fp.mode == "full"
+    lr.decompose(fp, r, usv=basis, split="sigma", sigma_in="A")
+    with pytest.raises(ValueError, match="not both"):
+        lr.recompose(fp, basis, parts=parts)
+
+
 def test_sigma_split_puts_sigma_in_the_named_factor():
     model = _build(MLP)
     fp = lr.prepare_model(model)[0]

@@ -26,7 +26,7 @@ state, initialisation), ``report`` (counts, ratios, per-layer lines, the output 
 
 
 from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, map_state, ortho_sigma_init,
-                        recompose, reset_state, resize_state, svd, svd_update)
+                        recompose, reset_state, resize_state, svd, svd_update, tangent_parts)
 from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
                      plain_state_dict, prepare_model, set_mode, set_trainable)
 from .ranks import RankRule, factors_compress
@@ -65,4 +65,5 @@ __all__ = [
     "set_trainable",
     "svd",
     "svd_update",
+    "tangent_parts",
 ]

@@ -44,7 +44,8 @@ def svd(fp: FactorizedParam) -> SVD:
     raise SVDError(f"SVD of {fp.name} ({fp.m}x{fp.n}) failed in float32 and float64")
 
 
-UPDATE_RTOL = 1e-4  # largest relative residual ‖W − U·S·Vh‖/‖W‖ an updated SVD may leave
+UPDATE_RTOL = 1e-4  # largest relative residual ‖(W − U·S·Vh)·X‖/‖W·X‖ an updated SVD may leave
+CHECK_PROBES = 8  # random vectors X that check an updated SVD against W
 
 
 class LowRankSum(NamedTuple):
@@ -55,6 +56,17 @@ class LowRankSum(NamedTuple):
     Vh: Tensor
     P: Tensor
     Q: Tensor
+
+
+def tangent_parts(basis: SVD, p: Tensor, q: Tensor, core: float = 1.0) -> LowRankSum:
+    """The tangent merge of a change P·Qᵀ into the SVD (U, σ, Vᵀ) its phase started from, as parts:
+    UσVᵀ + PQᵀ − (1 − core)·U(UᵀPQᵀV)Vᵀ = U·(diag σ − (1 − core)·(UᵀP)(VᵀQ)ᵀ)·Vᵀ + P·Qᵀ
+    (what :func:`recompose` computes from ``basis``, the change P·Qᵀ and ``core``)."""
+    u, s, vh = basis
+    middle = torch.diag(s)
+    if core != 1.0:
+        middle = middle - (1.0 - core) * ((u.T @ p) @ (vh @ q).T)
+    return LowRankSum(u, middle, vh, p, q)
 
 
 def _orthogonal_part(x: Tensor, basis: Tensor) -> Tensor:
@@ -74,10 +86,10 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
     m and n dimensions (Brand 2006, "Fast low-rank modifications of the thin singular
     value decomposition"): r+q columns in place of min(m, n), exact up to rounding.
 
-    The result is checked against the weight itself: where the relative residual
-    ‖W − U·S·Vh‖_F / ‖W‖_F exceeds ``rtol`` (at least 4 ulps of W's dtype) (W changed since the parts were
-    taken, or rounding went wrong), None is returned and the caller falls back to
-    :func:`svd`. U and Vh hold r+q singular vectors; S is padded with zeros to
+    The result is checked against the weight itself, on 8 random vectors X (a fixed seed):
+    where the relative residual ‖(W − U·S·Vh)·X‖_F / ‖W·X‖_F exceeds ``rtol`` (at least 4
+    ulps of W's dtype) (W changed since the parts were taken, or rounding went wrong), None
+    is returned and the caller falls back to :func:`svd`. U and Vh hold r+q singular vectors; S is padded with zeros to
     min(m, n) values (W's other singular values are zero), so that rank rules see the
     length they see after a full SVD. A rank above r+q needs :func:`svd`.
     """
@@ -104,7 +116,13 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
     new_vh = vkh @ torch.cat([vh, oq.T], 0)
     if not all(bool(torch.isfinite(t).all()) for t in (new_u, s, new_vh)):
         return None
-    residual = torch.linalg.matrix_norm(w - (new_u * s) @ new_vh) / torch.linalg.matrix_norm(w).clamp_min(1e-30)
+    # W against the result on a few random vectors, drawn from a fixed seed so that every worker decides alike:
+    # ‖E·X‖_F² estimates ‖E‖_F² times their number, at a fraction of forming U·S·Vh (m·n·(r+q) multiply-adds)
+    probes = torch.randn(fp.n, CHECK_PROBES, generator=torch.Generator(device=w.device).manual_seed(0),
+                         device=w.device, dtype=w.dtype)
+    wx = w @ probes
+    residual = (torch.linalg.matrix_norm(wx - new_u @ (s[:, None] * (new_vh @ probes)))
+                / torch.linalg.matrix_norm(wx).clamp_min(1e-30))
     if float(residual) > rtol:
         logger.info("updated SVD of %s leaves a relative residual of %.2e (> %.0e): full SVD instead",
                     fp.name, float(residual), rtol)
@@ -220,7 +238,7 @@ def decompose_all(
 
 
 def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | None = None,
-              core: float = 1.0) -> None:
+              core: float = 1.0, parts: LowRankSum | None = None) -> None:
     """W = (A @ B).reshape(shape) in W's dtype, in place; switch to full mode.
 
     With ``basis`` = (U, σ, Vᵀ), the rank-r SVD the factors started from, W is instead
@@ -233,15 +251,22 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
     make, U·(Uᵀ·change·V)·Vᵀ (1: as it came; 0.5: halved, so that where an A-group
     and a B-group each moved W by its gradient projected on their factor's space,
     the sum is the gradient projected on the tangent space, counted once).
+    ``parts`` (instead of the three above): W = U·core·Vh + P·Qᵀ, a :class:`LowRankSum`
+    (:func:`tangent_parts` of a change that arrived as P·Qᵀ): the same W up to rounding, in
+    about m·n·r multiply-adds where basis, change and a halved core take about 4·m·n·r.
     A and B keep their values (and optimizer state); their grads are cleared.
     """
     if fp.rank == 0:
         raise ValueError(f"{fp.name} has no factors to recompose; call decompose first")
     if change is not None and basis is None:
         raise ValueError(f"{fp.name}: a change of W is added to the SVD the factors started from; pass basis too")
+    if parts is not None and (basis is not None or change is not None):
+        raise ValueError(f"{fp.name}: give the merge as parts or as basis and change, not both")
     w = fp.weight
     with torch.no_grad():
-        if basis is None:
+        if parts is not None:
+            merged = (parts.U @ parts.core) @ parts.Vh + parts.P @ parts.Q.T
+        elif basis is None:
             merged = fp.A @ fp.B
         else:
             u, s, vh = basis

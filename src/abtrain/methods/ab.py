@@ -45,16 +45,6 @@ LOSS_JUMP = 1.5  # a truncation that lifts the training loss by this factor is r
 LOSS_WINDOW = 10  # steps of training loss compared before and after a truncation
 
 
-def _merged_parts(basis: lowrank.SVD, p: torch.Tensor, q: torch.Tensor, core: float) -> lowrank.LowRankSum:
-    """The tangent merge of a change P·Qᵀ into the SVD (U, σ, Vᵀ) the phase started from, as parts:
-    UσVᵀ + PQᵀ − (1 − core)·U(UᵀPQᵀV)Vᵀ = U·(diag σ − (1 − core)·(UᵀP)(VᵀQ)ᵀ)·Vᵀ + P·Qᵀ."""
-    u, s, vh = basis
-    middle = torch.diag(s)
-    if core != 1.0:
-        middle = middle - (1.0 - core) * ((u.T @ p) @ (vh @ q).T)
-    return lowrank.LowRankSum(u, middle, vh, p, q)
-
-
 class ABTraining(Method):
     """AB-training around the user's optimizer. See the module docstring for the schedule."""
 
@@ -397,10 +387,13 @@ class ABTraining(Method):
             factors = self._compressor.take_factors() if self._compressor is not None else {}
             core = TANGENT_CORES[self.cfg.tangent_core]
             for fp in low:
-                if fp.mode == "lowrank":
+                if fp.mode != "lowrank":
+                    continue
+                if fp.name in factors and fp.name in bases:  # svd="update": W from its parts, kept for the SVD
+                    self._parts[fp.name] = lowrank.tangent_parts(bases[fp.name], *factors[fp.name], core)
+                    lowrank.recompose(fp, parts=self._parts[fp.name])
+                else:
                     lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name), core=core)
-                    if fp.name in factors and fp.name in bases:
-                        self._parts[fp.name] = _merged_parts(bases[fp.name], *factors[fp.name], core)
             self._bases = {}
             lowrank.set_trainable(self.records, "full")
         self.sync_seconds += time.perf_counter() - start
