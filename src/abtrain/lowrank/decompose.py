@@ -89,9 +89,12 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
     The result is checked against the weight itself, on 8 random vectors X (a fixed seed):
     where the relative residual ‖(W − U·S·Vh)·X‖_F / ‖W·X‖_F exceeds ``rtol`` (at least 4
     ulps of W's dtype) (W changed since the parts were taken, or rounding went wrong), None
-    is returned and the caller falls back to :func:`svd`. U and Vh hold r+q singular vectors; S is padded with zeros to
-    min(m, n) values (W's other singular values are zero), so that rank rules see the
-    length they see after a full SVD. A rank above r+q needs :func:`svd`.
+    is returned and the caller falls back to :func:`svd`. None too where r+q reaches
+    min(m, n), which leaves nothing smaller than W's own SVD.
+
+    U and Vh hold r+q singular vectors; S is padded with zeros to min(m, n) values (W's other
+    singular values are zero), so that rank rules see the length they see after a full SVD.
+    A rank above r+q needs :func:`svd`.
     """
     stored = fp.effective_weight()
     w = stored.reshape(fp.m, fp.n).float()
