@@ -18,8 +18,9 @@ from helpers import run_world
 AB = dict(warmup_steps=2, cycle_steps=5, rebound_steps=2, lr_rebound_steps=3, rank_fraction=0.25)
 # ab: stop inside an AB phase (groups differ), and inside a rebound; ab-tangent: inside an AB phase, where the
 # next sync needs the SVD the factors started from; ab-lowrank: between two syncs, whose second sends what the
-# first left in each worker's error memory
-STOPS = {"ddp": [5], "ab": [4, 8], "ab-tangent": [4], "ab-lowrank": [8]}
+# first left in each worker's error memory; ab-update: the same with no rebound and updated SVDs, stopped between
+# the sync at 5 and the decompositions at 10 and 15 that update the SVD from the parts their sync leaves
+STOPS = {"ddp": [5], "ab": [4, 8], "ab-tangent": [4], "ab-lowrank": [8], "ab-update": [8]}
 
 
 def _cfg(fashion_dir, method, **kw):
@@ -32,6 +33,10 @@ def _cfg(fashion_dir, method, **kw):
     if method == "ab-lowrank":
         base.update(method="ab", group_size=1, ab=ABConfig(**AB, split="tangent", sync="only-learned",
                                                            sync_payload="lowrank", sync_rank=2))
+    if method == "ab-update":
+        base.update(method="ab", group_size=1, ab=ABConfig(**{**AB, "rebound_steps": 0}, split="tangent",
+                                                           sync="only-learned", sync_payload="lowrank", sync_rank=2,
+                                                           svd="update"))
     base.update(kw)
     return TrainConfig(**base)
 
@@ -41,7 +46,7 @@ def _final(trainer):
             "history": [{k: v for k, v in row.items() if k != "wall_seconds"} for row in trainer.history],
             "ledger": [[key, {k: v for k, v in row.items() if k != "seconds"}]  # bytes and calls, not timings
                        for key, row in trainer.ledger.state_dict()["rows"]],
-            "step": trainer.step}
+            "step": trainer.step, "svd_counts": getattr(trainer.method, "svd_counts", None)}
 
 
 def _sequences(fashion_dir, root):
@@ -77,6 +82,8 @@ def test_stopped_and_resumed_runs_equal_the_uninterrupted_run(fashion_dir, tmp_p
                     assert torch.equal(resumed["state"][key], value), f"{method} stop {stop}: {key} differs"
                 assert resumed["history"] == ref["history"], f"{method} stop {stop}: evaluations differ"
                 assert resumed["ledger"] == ref["ledger"], f"{method} stop {stop}: communication totals differ"
+                assert resumed["svd_counts"] == ref["svd_counts"], f"{method} stop {stop}: SVD counts differ"
+        assert rank_out["ab-update"]["ref"]["svd_counts"]["updated"] == 2  # hidden.weight at steps 10 and 15
     # Inside the AB phase (stop 4) the two workers' shards hold different factors: each saved its own.
     a0, a1 = (o["ab"]["resumed"][4]["shard_model"] for o in outs)
     factors = [k for k in a0 if k.endswith(".A") and a0[k].numel()]
