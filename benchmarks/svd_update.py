@@ -13,7 +13,8 @@ merged as the sync does with --ab-tangent-core mean. Timed, each the median of t
 
 The default shapes and ranks are the wide Fashion-MNIST model's fc1 and fc2 at the ranks the GPT's
 configuration keeps (docs/benchmarks.md, "Updating the SVD after a low-rank sync"). It also prints
-how far the updated singular values are from the full SVD's. Writes benchmarks/results/svd_update.json.
+how far the updated singular values are from the full SVD's, and the updated SVD's relative residual
+‖W − U·S·Vᵀ‖_F / ‖W‖_F. Writes benchmarks/results/svd_update.json.
 """
 import argparse
 import json
@@ -71,6 +72,7 @@ for spec in args.shapes.split(","):
     t_merge_change, t_merge_parts = timed(merge_change), timed(merge_parts)
     # recompose switched the layer to full mode: W now holds the merge, as after a sync
     full_svd = lowrank.svd(fp)
+    w = fp.weight.detach()
     updated = lowrank.svd_update(fp, parts)
     if updated is None:
         raise SystemExit(f"{m}x{n} at rank {r}: the update did not hold (r + q >= min(m, n)?)")
@@ -80,16 +82,18 @@ for spec in args.shapes.split(","):
            "svd_full_s": timed(lambda: lowrank.svd(fp)), "svd_update_s": timed(lambda: lowrank.svd_update(fp, parts)),
            "pinv_s": timed(lambda: torch.linalg.pinv(vh.T, rtol=1e-6)),
            "sigma_max_abs_diff": float((updated.S[:k] - full_svd.S[:k]).abs().max()),
+           "relative_residual": float(torch.linalg.matrix_norm(w - (updated.U * updated.S[:k]) @ updated.Vh)
+                                      / torch.linalg.matrix_norm(w)),
            "sigma_1": float(full_svd.S[0])}
     rows.append(row)
 
 print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.repeats}; q = {args.q}")
 print(f"{'shape':>11} {'rank':>5} | {'merge: change':>13} {'parts':>7} | {'SVD: full':>9} {'update':>7} {'ratio':>6} | "
-      f"{'pinv':>7} | {'max |dσ|':>9}")
+      f"{'pinv':>7} | {'max |dσ|':>9} {'residual':>9}")
 for row in rows:
     print(f"{row['m']:>5}x{row['n']:<5} {row['rank']:>5} | {row['merge_change_s']:>12.3f}s {row['merge_parts_s']:>6.3f}s | "
           f"{row['svd_full_s']:>8.3f}s {row['svd_update_s']:>6.3f}s {row['svd_full_s'] / row['svd_update_s']:>5.1f}x | "
-          f"{row['pinv_s']:>6.3f}s | {row['sigma_max_abs_diff']:>9.2e}")
+          f"{row['pinv_s']:>6.3f}s | {row['sigma_max_abs_diff']:>9.2e} {row['relative_residual']:>9.2e}")
 out = os.path.join(ROOT, "benchmarks", "results", "svd_update.json")
 os.makedirs(os.path.dirname(out), exist_ok=True)
 with open(out, "w") as f:
