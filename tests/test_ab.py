@@ -569,6 +569,17 @@ def test_lowrank_sync_sends_a_rank_q_change_and_the_rest_later(runs):
     _check_lowrank_syncs(runs["tangent-lowrank"], q=3, element_bytes=4, projected=True)
 
 
+def _same_model_and_bytes(o, r, syncs):
+    """Worker output ``o`` against the same worker's ``r`` of another run: W after each of the first ``syncs``
+    syncs within 1e-4 relative (rounding), and the same payload bytes in every phase."""
+    for i in range(syncs):
+        for name, w in o["syncs"][i]["after"]["W"].items():
+            rw = r["syncs"][i]["after"]["W"][name]
+            assert float((w - rw).norm() / rw.norm()) < 1e-4, (i, name)
+    for phase, got in o["summary"]["by_phase"].items():
+        assert got["payload_bytes"] == r["summary"]["by_phase"][phase]["payload_bytes"], phase
+
+
 def test_factored_linear_layers_train_the_same_model_and_send_the_same_bytes(runs):
     """linear_apply="factors": the same syncs as forming W (one model on every worker, a rank-q change with its
     memory), the same model as the W-forming run up to rounding, and the same bytes in every phase."""
@@ -577,18 +588,13 @@ def test_factored_linear_layers_train_the_same_model_and_send_the_same_bytes(run
     for o, r in zip(outs, ref):
         # After the first two syncs W differs by rounding only (measured ~1e-6). Later the rank-3 approximation
         # of the change can pick other directions from nearly equal candidates, so the runs may part more.
-        for i in range(2):
-            for name, w in o["syncs"][i]["after"]["W"].items():
-                rw = r["syncs"][i]["after"]["W"][name]
-                assert float((w - rw).norm() / rw.norm()) < 1e-4, (i, name)
-        for phase, got in o["summary"]["by_phase"].items():
-            assert got["payload_bytes"] == r["summary"]["by_phase"][phase]["payload_bytes"], phase
+        _same_model_and_bytes(o, r, syncs=2)
 
 
 def test_updated_svds_give_the_same_training_and_bytes(runs):
     """svd="update": the decompositions after the second and third syncs (ranks 30 of 40; the first phase is at full
-    rank, where r + q exceeds min(m, n) and the full SVD is taken) find W's SVD from the parts the sync left; the same syncs as
-    with full SVDs (one model everywhere, a rank-q change with its memory), the same factor products and models up
+    rank, where r + q exceeds min(m, n) and the full SVD is taken) find W's SVD from the parts the sync left; the
+    same syncs as with full SVDs (one model everywhere, a rank-q change with its memory), the same factor products and models up
     to rounding, the same bytes."""
     outs, ref = runs["tangent-lowrank-update"], runs["tangent-lowrank-map"]
     _check_lowrank_syncs(outs, q=3, element_bytes=4, projected=True)
@@ -602,12 +608,7 @@ def test_updated_svds_give_the_same_training_and_bytes(runs):
             assert after["A"][name].shape == ref_after["A"][name].shape == (40 if name == "body.weight" else 48, 30)
             ab, ref_ab = after["A"][name] @ after["B"][name], ref_after["A"][name] @ ref_after["B"][name]
             assert float((ab - ref_ab).norm() / ref_ab.norm()) < 1e-5, name
-        for i in range(3):  # the last sync follows a phase trained from the updated factors
-            for name, w in o["syncs"][i]["after"]["W"].items():
-                rw = r["syncs"][i]["after"]["W"][name]
-                assert float((w - rw).norm() / rw.norm()) < 1e-4, (i, name)
-        for phase, got in o["summary"]["by_phase"].items():
-            assert got["payload_bytes"] == r["summary"]["by_phase"][phase]["payload_bytes"], phase
+        _same_model_and_bytes(o, r, syncs=3)  # the last sync follows a phase trained from the updated factors
 
 
 def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_later(runs):

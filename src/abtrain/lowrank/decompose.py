@@ -256,7 +256,8 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
     the sum is the gradient projected on the tangent space, counted once).
     ``parts`` (instead of the three above): W = U·core·Vh + P·Qᵀ, a :class:`LowRankSum`
     (:func:`tangent_parts` of a change that arrived as P·Qᵀ): the same W up to rounding, in
-    about m·n·r multiply-adds where basis, change and a halved core take about 4·m·n·r.
+    m·n·(r+q) + m·r² multiply-adds where basis, change and a halved core take about
+    3·m·n·r + (m+n)·r² (the wide model's fc1 at rank 660, q = 64: 1.6 G against 4.3 G).
     A and B keep their values (and optimizer state); their grads are cleared.
     """
     if fp.rank == 0:

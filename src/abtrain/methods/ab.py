@@ -97,8 +97,6 @@ class ABTraining(Method):
         # svd="update": each layer's W as the SVD its phase started from plus the sync's rank-q change, from the
         # sync to the decomposition that follows it in the same step (never across a step, so never checkpointed)
         self._parts: dict[str, lowrank.LowRankSum] = {}
-        # svd="update" (tangent split): the frozen factor is U or Vᵀ, so mapping moments needs no pseudo-inverse
-        self._fast_map = self.cfg.svd == "update"
         self.svd_counts = {"full": 0, "updated": 0}
         if not self.cfg.needs_budget:
             self.set_total_steps(None)
@@ -282,8 +280,11 @@ class ABTraining(Method):
                            for fp, s in zip(records, svds) if fp.mode == "lowrank"}
 
     def _svd(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
-        """W's SVD: updated from the parts the sync left (svd="update") where they hold and check out, else full."""
-        parts = self._parts.get(fp.name)
+        """W's SVD: updated from the parts the sync left (svd="update") where they hold and check out, else full.
+
+        An updated SVD holds r+q singular vectors, enough for every cut that can follow: a rank rule finds no more
+        than r+q nonzero singular values, agree() keeps r, and the untruncated first decomposition has no parts."""
+        parts = self._parts.pop(fp.name, None)
         if parts is not None:
             usv = lowrank.svd_update(fp, parts)
             if usv is not None:
@@ -291,19 +292,6 @@ class ABTraining(Method):
                 return usv
         self.svd_counts["full"] += 1
         return lowrank.svd(fp)
-
-    def _full_where_needed(self, records: list[lowrank.FactorizedParam], svds: list[lowrank.SVD],
-                           ranks: list[int | None]) -> list[lowrank.SVD]:
-        """An updated SVD holds r+q singular vectors: a layer cut at a higher rank (None: full) gets the full SVD.
-        Every worker holds the same W and parts, so each takes the same branch."""
-        out = []
-        for fp, usv, r in zip(records, svds, ranks):
-            if (min(fp.m, fp.n) if r is None else r) > usv.U.shape[1]:
-                self.svd_counts["updated"] -= 1
-                self.svd_counts["full"] += 1
-                usv = lowrank.svd(fp)
-            out.append(usv)
-        return out
 
     def _trained_role(self) -> str:
         return "B" if self.cfg.sync == "only-b" else self.role
@@ -325,14 +313,9 @@ class ABTraining(Method):
             else:
                 chosen = [None] * len(records)
                 min_compression = None
-            svds = self._full_where_needed(records, svds, chosen)
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
-            lowrank.decompose_all(records, chosen, svds, min_compression=min_compression,
-                                  split=self._split(), sigma_in=self._sigma_in(), optimizer=optimizer,
-                                  moments_against=self._take_frozen(), frozen_orthonormal=self._fast_map)
-            lowrank.set_trainable(self.records, self._trained_role())
-            self._keep_bases(records, svds)
+            self._factorise(records, chosen, svds, optimizer, min_compression)
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
         self.ranks.append({"step": self.t, "layers": {fp.name: (fp.rank if fp.mode == "lowrank" else None)
@@ -351,6 +334,16 @@ class ABTraining(Method):
             for line in lines:
                 self.say("  " + line)
             self._said_lines = lines
+
+    def _factorise(self, records: list[lowrank.FactorizedParam], ranks: list[int | None], svds: list[lowrank.SVD],
+                   optimizer: torch.optim.Optimizer, min_compression: float | None) -> None:
+        """Split each layer at its agreed rank, this worker's factor trainable, the tangent bases kept."""
+        lowrank.decompose_all(records, ranks, svds, min_compression=min_compression, split=self._split(),
+                              sigma_in=self._sigma_in(), optimizer=optimizer, moments_against=self._take_frozen(),
+                              # svd="update" needs the tangent split, whose frozen factor is U or Vᵀ: no pinv
+                              frozen_orthonormal=self.cfg.svd == "update")
+        lowrank.set_trainable(self.records, self._trained_role())
+        self._keep_bases(records, svds)
 
     def _take_frozen(self) -> dict[str, tuple[str, torch.Tensor]]:
         """For optimizer_state="map": the factor each layer trained and the frozen one it was trained against,
@@ -442,14 +435,7 @@ class ABTraining(Method):
         low = [fp for fp in self.records if fp.name in ranks]
         start = time.perf_counter()
         with torch.profiler.record_function("abtrain::ab::decompose"):
-            svds = self._full_where_needed(low, [self._svd(fp) for fp in low], [ranks[fp.name] for fp in low])
-            self._parts = {}
-            lowrank.decompose_all(low, [ranks[fp.name] for fp in low], svds,
-                                  min_compression=None, split=self._split(), sigma_in=self._sigma_in(),
-                                  optimizer=optimizer,
-                                  moments_against=self._take_frozen(), frozen_orthonormal=self._fast_map)
-            lowrank.set_trainable(self.records, self._trained_role())
-            self._keep_bases(low, svds)
+            self._factorise(low, [ranks[fp.name] for fp in low], [self._svd(fp) for fp in low], optimizer, None)
         self.svd_seconds += time.perf_counter() - start
         self._agreed_at = self.t
 
