@@ -108,9 +108,13 @@ BAD = [
     (["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"], "choose one rank rule"),
     (["--method", "ab", "--group-size", "1", "--ab-split", "tangent", "--ab-sync", "with-stale"],
      "use --ab-sync only-learned"),
-    (["--method", "ab", "--group-size", "1", "--ab-sync-flush"], "needs --ab-sync-payload lowrank"),
-    (["--method", "ab", "--group-size", "1", "--ab-svd", "update"], "use it with --ab-sync-payload lowrank"),
-    (["--method", "ab", "--group-size", "1", "--ab-tangent-core", "mean"], "use it with --ab-split tangent"),
+    (["--method", "ab", "--group-size", "1", "--ab-split", "sqrt", "--ab-sync-flush"], "needs --ab-sync-payload lowrank"),
+    (["--method", "ab", "--group-size", "1", "--ab-sync-payload", "factors", "--ab-svd", "update"],
+     "use it with --ab-sync-payload lowrank"),
+    (["--method", "ab", "--group-size", "1", "--ab-split", "sqrt", "--ab-tangent-core", "mean"],
+     "use it with --ab-split tangent"),
+    (["--method", "ab", "--group-size", "1", "--ab-split", "sqrt", "--ab-sync-payload", "lowrank"],
+     "use it with --ab-split tangent --ab-sync only-learned"),
 ]
 
 

@@ -40,7 +40,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, fields: list, defaults: A
     for f in fields:
         flag = "--" + prefix + f.name.replace("_", "-")
         typ = str(f.type)
-        default = getattr(defaults, f.name)
+        # a default of None is resolved from the other options (said in the help text), not a fixed value
+        default = getattr(defaults, f.name) if f.default is not None else None
         help_text = f.metadata["help"] + (f" (default: {default})" if default is not None else "")
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text,
                                   "dest": prefix.replace("-", "_") + f.name}

@@ -197,10 +197,23 @@ def nest(flat: dict[str, Any], where: str = "the command line") -> dict[str, Any
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``override``'s values over ``base``'s, section by section (both in :func:`nest`'s shape)."""
+    """``override``'s values over ``base``'s, section by section (both in :func:`nest`'s shape).
+
+    Where a section's options exclude each other (``exclusive`` of its class: AB-training's rank
+    rules), one given in ``override`` replaces the whole group in ``base``: ``--ab-rank 16`` over a
+    file that sets ``tau`` uses the rank.
+    """
     out = dict(base)
     for key, value in override.items():
-        out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            section = dict(out[key])
+            for group in getattr(SECTIONS.get(key), "exclusive", ()):
+                if any(name in value for name in group):
+                    for name in group:
+                        section.pop(name, None)
+            out[key] = {**section, **value}
+        else:
+            out[key] = value
     return out
 
 

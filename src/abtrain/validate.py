@@ -77,7 +77,7 @@ class Options:
         check_types(self, f"--{self.section}-")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"unknown {self.flag(f.name)} {getattr(self, f.name)!r}; "
                                  f"choose one of: {', '.join(choices)}")
         self.check()
