@@ -69,6 +69,9 @@ def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion
         ratio = f"{theirs / mine:.1f}x fewer" if mine <= theirs else f"{mine / theirs:.1f}x more"
         assert f"{what} {ratio}" in line, line
     assert "  DDP, same steps global" in p.stdout
+    # a decomposition every 2 steps: one line says the layers stay as they were, later ones that change nothing are quiet
+    heads = [ln for ln in p.stdout.splitlines() if "AB-training: decomposition at step" in ln]
+    assert len(r["ranks"]) > len(heads) >= 2 and sum("every layer as before" in ln for ln in heads) == 1, heads
 
 
 def test_ab_end_to_end_with_config_file(tmp_path, fashion_dir):

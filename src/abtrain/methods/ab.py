@@ -80,6 +80,7 @@ class ABTraining(Method):
         self._losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
         self._cut: tuple[int, float] | None = None  # (step, loss level) of the last truncation, while watched
         self._said_lines: list[str] = []  # the per-layer decisions rank 0 printed last
+        self._said_same = False  # rank 0 said that a decomposition left every layer as before, and since then none changed
         self._agreed_at: int | None = None  # step at which consensus() last brought the workers together
         self._optimizer: torch.optim.Optimizer | None = None  # the attached one (consensus() syncs its moments)
         self.ranks: list[dict[str, Any]] = []
@@ -324,16 +325,21 @@ class ABTraining(Method):
         if truncate and self._losses:
             self._cut = (self.t, sum(self._losses) / len(self._losses))
             self._losses.clear()
-        # The per-layer lines when they change (the first decomposition, a new rank); else one line.
+        # The per-layer lines when they change (the first decomposition, a new rank); else one line, once, until
+        # something changes again (a sync every few steps would otherwise print a line each time).
         head = f"AB-training: decomposition at step {self.t} (compression {lowrank.format_ratio(self.ratio)})"
         lines = lowrank.decision_lines(self.records)
         if lines == self._said_lines:
-            self.say(head + ", every layer as before")
+            if not self._said_same:
+                self.say(head + ", every layer as before (the next decompositions that change nothing are not "
+                                "printed; results.json lists every one)")
+                self._said_same = True
         else:
             self.say(head)
             for line in lines:
                 self.say("  " + line)
             self._said_lines = lines
+            self._said_same = False
 
     def _factorise(self, records: list[lowrank.FactorizedParam], ranks: list[int | None], svds: list[lowrank.SVD],
                    optimizer: torch.optim.Optimizer, min_compression: float | None) -> None:
