@@ -18,7 +18,7 @@ import torch
 from abtrain import checkpoint as ckpt
 from abtrain.cli import main
 from abtrain.config import TrainConfig
-from abtrain.results import NoSpaceError, is_no_space, write_json
+from abtrain.results import NoSpaceError, atomic_write, is_no_space, write_json
 from abtrain.rundir import RunLock, is_locked, run_status
 from abtrain.topology import Topology
 from abtrain.train import Trainer
@@ -341,6 +341,33 @@ def test_a_full_disk_ends_the_run_with_exit_code_4(tmp_path):
         assert ckpt.read_manifest(str(out))["step"] == 5
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_shard_whose_directory_another_worker_removed_reports_the_full_disk(tmp_path, monkeypatch):
+    """Worker 0 fills the disk and removes the step's directory while worker 1 still writes there: worker 1's
+    missing file is the same full disk, and says so (the launcher reports whichever worker failed first)."""
+    run = str(tmp_path / "run")
+    ckpt.save(run, 5, 1, {"step": 5}, lambda: None, None, 2, True, None)
+    ckpt.save(run, 5, 0, {"step": 5}, lambda: None, {"step": 5}, 2, True, None)
+
+    def removed_while_writing(path, state):
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+
+        def write(fh):
+            shutil.rmtree(directory)  # what worker 0 does after its ENOSPC, while this file is being written
+            torch.save(state, fh)
+        atomic_write(path, write)  # the rename into the removed directory: FileNotFoundError
+
+    monkeypatch.setattr(ckpt, "save_shard", removed_while_writing)
+    with pytest.raises(NoSpaceError, match="writing the checkpoint of step 10 .*; the checkpoint of step 5 is intact"):
+        ckpt.save(run, 10, 1, {"step": 10}, lambda: None, None, 2, True, None)
+    assert not os.path.exists(ckpt.step_dir(run, 10)) and ckpt.read_manifest(run)["step"] == 5
+    # a missing file while the step's directory is still there is not a full disk
+    os.makedirs(ckpt.step_dir(run, 15))
+    monkeypatch.setattr(ckpt, "save_shard", lambda path, state: open(os.path.join(str(tmp_path), "nowhere", "x")))
+    with pytest.raises(FileNotFoundError):
+        ckpt.save(run, 15, 1, {"step": 15}, lambda: None, None, 2, True, None)
 
 
 # -- 9: file modes ---------------------------------------------------------------------------

@@ -273,7 +273,10 @@ def save(run_dir: str, step: int, rank: int, state: dict[str, Any], barrier: Any
         if manifest is not None and good:
             write_manifest(run_dir, step, world_size, manifest)
     except (OSError, RuntimeError) as exc:
-        if not is_no_space(exc):
+        # A worker whose disk filled removes the step's directory; another one still writing there then finds
+        # its file gone: the same full disk, said the same way (whichever worker's error the launcher reports).
+        vanished = isinstance(exc, FileNotFoundError) and not os.path.isdir(directory)
+        if not (is_no_space(exc) or vanished):
             raise
         shutil.rmtree(directory, ignore_errors=True)  # never named by the manifest: free the space
         previous = last_good(run_dir)
