@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from abtrain import lowrank
+from abtrain.lowrank.decompose import PINV_RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 p = argparse.ArgumentParser()
@@ -80,7 +81,7 @@ for spec in args.shapes.split(","):
     row = {"m": m, "n": n, "rank": r, "q": q,
            "merge_change_s": t_merge_change, "merge_parts_s": t_merge_parts,
            "svd_full_s": timed(lambda: lowrank.svd(fp)), "svd_update_s": timed(lambda: lowrank.svd_update(fp, parts)),
-           "pinv_s": timed(lambda: torch.linalg.pinv(vh.T, rtol=1e-6)),
+           "pinv_s": timed(lambda: torch.linalg.pinv(vh.T, rtol=PINV_RTOL)),  # as map_state takes it
            "sigma_max_abs_diff": float((updated.S[:k] - full_svd.S[:k]).abs().max()),
            "relative_residual": float(torch.linalg.matrix_norm(w - (updated.U * updated.S[:k]) @ updated.Vh)
                                       / torch.linalg.matrix_norm(w)),

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm import Communicator
+from abtrain.config import merge
 from abtrain.methods.ab import ABConfig, ABTraining
 from abtrain.methods.ab_config import PAPER
 from abtrain.reducers import PowerSGDReducer
@@ -134,11 +135,12 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     comm = Communicator()
     torch.manual_seed(0)
     model = Net()
-    # the paper's fp32 phases and with-stale sync, whose byte formulas these tests check
-    paper = {k: v for k, v in PAPER.items() if k != "tau" or not {"rank", "rank_fraction", "energy", "tau"} & set(options)}
-    # the payload and the core the tangent split had before they followed it (options give the others)
-    cfg = ABConfig(**{**paper, "warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0,
-                      "sync_payload": "factors", "tangent_core": "sum", **options})
+    # the paper's fp32 phases and with-stale sync, whose byte formulas these tests check, with the payload and
+    # the core the tangent split had before they followed it; options over them as flags over a config file
+    # (a rank rule in options replaces the paper's tau)
+    base = {**PAPER, "warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0,
+            "sync_payload": "factors", "tangent_core": "sum"}
+    cfg = ABConfig(**merge({"ab": base}, {"ab": options})["ab"])
     method = ABTraining(comm, topo, cfg)
     model = method.prepare(model)
     if plan:

@@ -346,7 +346,8 @@ class ABTraining(Method):
         """Split each layer at its agreed rank, this worker's factor trainable, the tangent bases kept."""
         lowrank.decompose_all(records, ranks, svds, min_compression=min_compression, split=self._split(),
                               sigma_in=self._sigma_in(), optimizer=optimizer, moments_against=self._take_frozen(),
-                              # svd="update" needs the tangent split, whose frozen factor is U or Vᵀ: no pinv
+                              # the tangent split's frozen factor is U or Vᵀ, its own pseudo-inverse; only svd="update"
+                              # (which needs that split) skips the pinv, so that full-SVD runs keep their rounding
                               frozen_orthonormal=self.cfg.svd == "update")
         lowrank.set_trainable(self.records, self._trained_role())
         self._keep_bases(records, svds)

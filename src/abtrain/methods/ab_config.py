@@ -47,7 +47,7 @@ class ABConfig(Options):
     exclusive = (("tau", "rank", "rank_fraction", "energy"),)
 
     warmup_fraction: float = opt(0.01, "share of the run's steps trained full-rank before the first decomposition (T_w; the paper: 0.25); --ab-warmup-steps overrides it")
-    cycle_fraction: float = opt(0.015, "sync period K as a share of the run's steps (0.015: a sync every 1.5 %% of the run, about 66 syncs; the paper: about 0.06); --ab-cycle-steps overrides it")
+    cycle_fraction: float = opt(0.015, "sync period K as a share of the run's steps (0.015: a sync every 1.5 %% of the run: 63 syncs in 702 steps, 66 in 2000; the paper: about 0.06); --ab-cycle-steps overrides it")
     rebound_fraction: float = opt(0.0, "full-rank DP steps after each sync (F) as a share of K (the paper: 0.1; 0: the next decomposition follows the sync at once); --ab-rebound-steps overrides it")
     lr_rebound_fraction: float = opt(0.0, "learning-rate ramp after each phase switch (R) as a share of K (the paper: 0.3; 0 disables); --ab-lr-rebound-steps overrides it")
     warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
@@ -108,14 +108,14 @@ class ABConfig(Options):
             raise ValueError(f"choose one rank rule, got {', '.join('--ab-' + r.replace('_', '-') for r in rules)}")
         if not rules:
             self.tau = DEFAULT_TAU
-        tangent_sync = self.sync == "only-learned"
+        # None: follow the sync mode. The low-rank change and the averaged core need the tangent merge of only-learned.
         if self.split is None:
-            self.split = "tangent" if tangent_sync else "sqrt"
-        tangent_sync = tangent_sync and self.split == "tangent"
+            self.split = "tangent" if self.sync == "only-learned" else "sqrt"
+        tangent_merge = self.sync == "only-learned" and self.split == "tangent"
         if self.sync_payload is None:
-            self.sync_payload = "lowrank" if tangent_sync else "factors"
+            self.sync_payload = "lowrank" if tangent_merge else "factors"
         if self.tangent_core is None:
-            self.tangent_core = "mean" if tangent_sync else "sum"
+            self.tangent_core = "mean" if tangent_merge else "sum"
         self.rank_rule()  # validates the values
         if self.min_compression is not None and self.min_compression <= 0:
             raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
