@@ -489,3 +489,35 @@ def test_interrupted_node_bench_leaves_no_namespace(tmp_path, sig):
     assert p.returncode == 130, stdout[-3000:]
     assert [ns for ns in netns.our_namespaces() if ns.startswith(prefix)] == []
     assert "interrupted" in stdout and (out / "report.json").exists()
+
+
+def test_time_split_on_hand_computed_numbers(tmp_path):
+    """benchmarks/time_split.py: link = counted global bytes at the link's rate, rest = the remainder,
+    and the compute speed-up at which the method's time to DDP's metric is half DDP's."""
+    def run(method, rows):
+        return {"method": method, "status": "complete", "history": [
+            {"step": s, "test_accuracy": a, "global_wire_bytes": b, "wall_seconds": w} for s, a, b, w in rows]}
+    report = {"command": "hand-made", "workload": {"metric": "accuracy"}, "ddp_target": 0.9,
+              "net": {"rate_bytes_per_s": 1000.0},
+              "methods": [run("ab", [(10, 0.8, 1000, 30.0), (20, 0.91, 2000, 62.0)]),
+                          run("ddp", [(10, 0.85, 50000, 110.0), (20, 0.9, 100000, 220.0)])]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path / "split.json"
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "time_split.py")
+    proc = subprocess.run([sys.executable, script, str(path), "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["method"]: r for r in json.loads(out.read_text())["reports"][str(path)]}
+    # ab reaches 0.9 at step 20: 62 s, of which 2000 B / 1000 B/s = 2 s on the link; ddp: 100 s + 120 s
+    assert rows["ab"]["parts"] == {"step": 20, "time": 62.0, "link": 2.0, "rest": 60.0}
+    assert rows["ddp"]["parts"] == {"step": 20, "time": 220.0, "link": 100.0, "rest": 120.0}
+    assert rows["ab"]["ratio"] == pytest.approx(62 / 220)
+    # (2 + 60/f) <= 0.5 (100 + 120/f)  <=>  f >= (60 - 60) / (50 - 2) = 0: met at any speed
+    assert rows["ab"]["speedup"] == ["any", None]
+    assert "| ab | 20 | 62.0 s | 2.0 s | 60.0 s | 0.282 | any (met here) |" in proc.stdout
+    # a slower method: 150 s of compute needs (150 - 60) / (50 - 2) = 1.875x faster workers
+    report["methods"][0] = run("ab", [(20, 0.95, 2000, 152.0)])
+    path.write_text(json.dumps(report))
+    subprocess.run([sys.executable, script, str(path), "--out", str(out)], check=True, capture_output=True)
+    kind, f = json.loads(out.read_text())["reports"][str(path)][0]["speedup"]
+    assert kind == "from" and f == pytest.approx(90 / 48)
