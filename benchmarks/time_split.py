@@ -6,7 +6,8 @@ REPORT.json is the report of an `abtrain bench ... --net rate=...` run with DDP 
 (docs/results/*/report.json are such reports). For every other method and for DDP: the wall
 seconds at the first evaluation as good as DDP's final accuracy or perplexity, split into
 
-- link: the global wire bytes the ledger counted up to that evaluation, at the node link's rate;
+- link: the global wire bytes per worker the ledger counted up to that evaluation (what each node's
+  link carries under gloo's ring, docs/bench.md), at the node link's rate;
 - rest: the remainder (compute, decompositions, evaluation, the unshaped traffic inside nodes).
 
 Then the compute speed-up f at which the method's time would be --target × DDP's, if the rest of
