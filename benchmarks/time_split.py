@@ -13,22 +13,16 @@ seconds at the first evaluation as good as DDP's final accuracy or perplexity, s
 Then the compute speed-up f at which the method's time would be --target × DDP's, if the rest of
 both runs took 1/f of its time and the link stayed as it is: (l_m + r_m/f) = target·(l_d + r_d/f)
 gives f = (r_m − target·r_d) / (target·l_d − l_m). A model from measured parts, not a measurement.
-Prints a table; writes benchmarks/results/time_split.json (--out).
+Prints a table; writes benchmarks/results/time_split.json (--out). Exits with 2 when a report
+could not be split (the others are still written).
 """
 import argparse
 import json
 import os
 
+from abtrain.bench.report import first_reaching
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def first_at(history, metric, target):
-    key = "test_perplexity" if metric == "perplexity" else "test_accuracy"
-    for row in history:
-        value = row.get(key)
-        if value is not None and (value <= target if metric == "perplexity" else value >= target):
-            return row
-    return None
 
 
 def speedup_needed(m, d, t):
@@ -57,7 +51,7 @@ def split(report, target_ratio):
         raise ValueError("DDP did not complete in this bench")
 
     def parts(run):
-        row = first_at(run["history"], metric, goal)
+        row = first_reaching(run["history"], goal, metric)
         if row is None:
             return None
         link = row["global_wire_bytes"] / rate
@@ -82,15 +76,17 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "time_split.json"))
     args = ap.parse_args()
     everything = {"target_ratio": args.target, "reports": {}}
+    failed = 0
     print("| report | method | step | time to DDP's final | link | rest | ratio to DDP | compute speed-up for ≤ target |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for path in args.reports:
-        with open(path) as f:
-            try:
+        try:
+            with open(path) as f:
                 rows = split(json.load(f), args.target)
-            except ValueError as err:
-                print(f"| {path} | {err} | | | | | | |")
-                continue
+        except (OSError, ValueError, KeyError) as err:  # unreadable, not JSON, not a bench report, no DDP or rate
+            print(f"| {path} | cannot split: {err!r} | | | | | | |")
+            failed += 1
+            continue
         for r in rows:
             p = r["parts"]
             if p is None:
@@ -110,7 +106,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(everything, f, indent=1)
     print(f"wrote {args.out}")
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -521,3 +521,9 @@ def test_time_split_on_hand_computed_numbers(tmp_path):
     subprocess.run([sys.executable, script, str(path), "--out", str(out)], check=True, capture_output=True)
     kind, f = json.loads(out.read_text())["reports"][str(path)][0]["speedup"]
     assert kind == "from" and f == pytest.approx(90 / 48)
+    # a bench without --net cannot be split: said on its row, the others kept, exit status 2
+    (tmp_path / "plain.json").write_text(json.dumps({**report, "net": None}))
+    proc = subprocess.run([sys.executable, script, str(tmp_path / "plain.json"), str(path), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "cannot split: ValueError('no --net rate in this bench')" in proc.stdout
+    assert list(json.loads(out.read_text())["reports"]) == [str(path)]

@@ -33,14 +33,20 @@ def better_or_equal(a: float, b: float, metric: str) -> bool:
     return a <= b if metric == "perplexity" else a >= b
 
 
-def time_to_reach(history: list[dict[str, Any]], target: float, metric: str) -> float | None:
-    """wall_seconds of the first evaluation at least as good as ``target``; None when never reached."""
+def first_reaching(history: list[dict[str, Any]], target: float, metric: str) -> dict[str, Any] | None:
+    """The first evaluation row at least as good as ``target``; None when never reached."""
     key = "test_perplexity" if metric == "perplexity" else "test_accuracy"
     for row in history:
         value = row.get(key)
         if value is not None and better_or_equal(value, target, metric):
-            return float(row["wall_seconds"])
+            return row
     return None
+
+
+def time_to_reach(history: list[dict[str, Any]], target: float, metric: str) -> float | None:
+    """wall_seconds of the first evaluation at least as good as ``target``; None when never reached."""
+    row = first_reaching(history, target, metric)
+    return None if row is None else float(row["wall_seconds"])
 
 
 def pareto_front(points: dict[str, tuple[float, float]], metric: str) -> set[str]:
@@ -264,7 +270,6 @@ def render_markdown(report: dict[str, Any]) -> str:
 def _time_to_targets(done: list[dict[str, Any]], report: dict[str, Any]) -> list[str]:
     """Wall seconds for each method to reach each method's final metric (on the shaped network with --net)."""
     ppl = report["workload"]["metric"] == "perplexity"
-    key = "test_perplexity" if ppl else "test_accuracy"
     targets = sorted({r["metric"] for r in done if r["metric"] is not None}, reverse=ppl)
     if len(targets) < 2:
         return []
@@ -276,9 +281,8 @@ def _time_to_targets(done: list[dict[str, Any]], report: dict[str, Any]) -> list
              f"method), \"–\" when never reached.", "",
              "| method | " + " | ".join(head) + " |", "|---|" + "---:|" * len(targets)]
     for r in done:
-        history = [{key: h.get(key), "wall_seconds": h["wall_seconds"]} for h in r["history"]]
         lines.append(f"| {r['method']} | " + " | ".join(
-            _fmt(time_to_reach(history, t, report["workload"]["metric"]), ".1f", " s") for t in targets) + " |")
+            _fmt(time_to_reach(r["history"], t, report["workload"]["metric"]), ".1f", " s") for t in targets) + " |")
     return lines
 
 
