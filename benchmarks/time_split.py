@@ -73,7 +73,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("reports", nargs="+", help="report.json of a bench run with --net and DDP")
     ap.add_argument("--target", type=float, default=0.5, help="ratio to DDP's time (default 0.5)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "time_split.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "time_split.json"),
+                    help="JSON with every row (default: benchmarks/results/time_split.json)")
     args = ap.parse_args()
     everything = {"target_ratio": args.target, "reports": {}}
     failed = 0
