@@ -37,7 +37,7 @@ def speedup_needed(m, d, t):
         return ("from", num / den) if den > 0 else ("never", None)
     if den >= 0:
         return ("any", None)
-    return ("up to", num / den)
+    return ("up to", num / den) if num < 0 else ("never", None)
 
 
 def split(report, target_ratio):
@@ -58,6 +58,8 @@ def split(report, target_ratio):
         return {"step": row["step"], "time": row["wall_seconds"], "link": link, "rest": row["wall_seconds"] - link}
 
     ddp = parts(runs["ddp"])
+    if ddp is None:
+        raise ValueError("DDP's evaluations never reach its final metric")
     rows = []
     for name, run in runs.items():
         p = parts(run)

@@ -1,5 +1,6 @@
 """``abtrain bench``: end to end on a tiny workload, the network namespaces, the projection's arithmetic."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -527,3 +528,23 @@ def test_time_split_on_hand_computed_numbers(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "cannot split: ValueError('no --net rate in this bench')" in proc.stdout
     assert list(json.loads(out.read_text())["reports"]) == [str(path)]
+
+
+def test_time_split_speedup_cases():
+    """Every case of (l_m + r_m/f) <= t (l_d + r_d/f), and a DDP history short of its own final metric."""
+    spec = importlib.util.spec_from_file_location(
+        "time_split", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "time_split.py"))
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    ddp = {"link": 100.0, "rest": 120.0}
+    assert ts.speedup_needed({"link": 2.0, "rest": 150.0}, ddp, 0.5) == ("from", 90 / 48)
+    assert ts.speedup_needed({"link": 60.0, "rest": 150.0}, ddp, 0.5) == ("never", None)  # its link alone is too long
+    assert ts.speedup_needed({"link": 2.0, "rest": 30.0}, ddp, 0.5) == ("any", None)
+    # the method's own link dominates: 70 + 20/f <= 50 + 60/f only for f <= 40/20 = 2
+    assert ts.speedup_needed({"link": 70.0, "rest": 20.0}, ddp, 0.5) == ("up to", 2.0)
+    assert ts.speedup_needed({"link": 70.0, "rest": 60.0}, ddp, 0.5) == ("never", None)  # 70 + 60/f <= 50 + 60/f
+    history = [{"step": 10, "test_accuracy": 0.8, "global_wire_bytes": 1000, "wall_seconds": 10.0}]
+    report = {"workload": {"metric": "accuracy"}, "ddp_target": 0.9, "net": {"rate_bytes_per_s": 1000.0},
+              "methods": [{"method": "ddp", "status": "complete", "history": history}]}
+    with pytest.raises(ValueError, match="never reach its final metric"):
+        ts.split(report, 0.5)
