@@ -150,19 +150,30 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-2))
     out = {"rank": topo.rank, "role": method.role, "syncs": [], "steps": [], "ledger_by_step": [],
-           "group_ranks": out_group_ranks}
+           "group_ranks": out_group_ranks, "decomposed": {}}
     sync_due: dict = {}
 
     def before_the_method(optimizer, args, kwargs):
         # Registered before attach(), so it runs after the update and before the method's own hook,
         # which syncs when the schedule says so for the step count it is about to reach.
-        if method.schedule.events(method.t + 1)[0]:
+        sync, decompose = method.schedule.events(method.t + 1)
+        if decompose and not sync:  # the W the decomposition cuts (it releases W's storage)
+            out["decomposed"][method.t + 1] = {fp.name: fp.effective_weight().clone() for fp in method.records}
+        if sync:
             sync_due["before"] = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone())
                                   for fp in method.records if fp.mode == "lowrank"}
             sync_due["before_other"] = _snapshot(method, model)["other"]  # parameters kept full rank
             sync_due["moments"] = _moments(method, opt)
 
     opt.register_step_post_hook(before_the_method)
+    sync_impl = method._sync
+
+    def sync_and_keep_w(*args, **kwargs):
+        # W as the sync formed it: a decomposition that follows in the same step releases W's storage
+        sync_impl(*args, **kwargs)
+        sync_due["merged"] = {fp.name: fp.weight.detach().clone() for fp in method.records}
+
+    method._sync = sync_and_keep_w
     gen = torch.Generator().manual_seed(100 + topo.rank)  # every worker its own data
     with method.attach(opt):
         for _ in range(steps):
@@ -175,12 +186,14 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            after = _snapshot(method, model)
+            after["W"].update(sync_due.pop("merged", {}))
             if sync_due:
                 memory = method._compressor.errors if method._compressor is not None else {}  # lowrank payload
-                out["syncs"].append({"step": method.t, **sync_due, "after": _snapshot(method, model),
+                out["syncs"].append({"step": method.t, **sync_due, "after": after,
                                      "memory": {k: v.clone() for k, v in memory.items()}})
                 sync_due.clear()
-            out["steps"].append({"phase": phase, "t": method.t, "before": before, "after": _snapshot(method, model),
+            out["steps"].append({"phase": phase, "t": method.t, "before": before, "after": after,
                                  "modes_before": modes_before,
                                  "ranks": {fp.name: fp.rank for fp in method.records},
                                  "modes": {fp.name: fp.mode for fp in method.records},
@@ -307,8 +320,8 @@ def test_roles_train_only_their_factor(with_stale):
                 if before[frozen][name].shape == after[frozen][name].shape:
                     assert torch.equal(before[frozen][name], after[frozen][name]), \
                         f"{o['role']}-worker changed {frozen} of {name} at step {s['t']}"
-                if s["modes"][name] == "lowrank":
-                    assert torch.equal(before["W"][name], after["W"][name]), f"stale W of {name} changed during AB"
+                if s["modes"][name] == "lowrank":  # W holds no numbers while its factors train
+                    assert after["W"][name].numel() == 0, f"W of {name} kept its storage during AB"
             role = o["role"]
             trained = [name for name in before[role] if before[role][name].shape == after[role][name].shape]
             assert any(not torch.equal(before[role][name], after[role][name]) for name in trained)
@@ -391,10 +404,9 @@ def test_ranks_agree_and_follow_the_rule(runs):
         for name, r in after["layers"].items():
             assert r is not None and r <= before["layers"][name], (name, before["step"], after["step"])
     for entry in later:
-        step_after = next(s for s in outs[0]["steps"] if s["t"] == entry["step"])
         for name, m, n in outs[0]["records"]:
-            # the rank was chosen on the rebound's last W, which the decomposition leaves in place (stale)
-            W = step_after["after"]["W"][name]
+            # the rank was chosen on the rebound's last W
+            W = outs[0]["decomposed"][entry["step"]][name]
             sigma = torch.linalg.svdvals(W.reshape(m, -1).float())
             expected = max(min(8, m, n), int((sigma > 0.5 * sigma[0]).sum()))  # the default rank floor is 8
             r = entry["layers"][name]

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .layers import Factor, FactorizedParam, Split, replace_data, set_mode
+from .layers import Factor, FactorizedParam, Split, release_weight, replace_data, restore_weight, set_mode
 from .ranks import factors_compress
 
 logger = logging.getLogger(__name__)
@@ -184,9 +184,11 @@ def decompose(
         raise ValueError(f'split must be "sqrt" or "sigma", got {split!r}')
 
     w = fp.weight
-    replace_data(fp.A, a.to(dtype=w.dtype, device=w.device).contiguous())
-    replace_data(fp.B, b.to(dtype=w.dtype, device=w.device).contiguous())
+    # clone: a slice of U or Vh would keep the whole SVD's storage alive
+    replace_data(fp.A, a.to(dtype=w.dtype, device=w.device).clone(memory_format=torch.contiguous_format))
+    replace_data(fp.B, b.to(dtype=w.dtype, device=w.device).clone(memory_format=torch.contiguous_format))
     _set_grads_none(fp.A, fp.B, w)
+    release_weight(fp)
     if optimizer is not None:
         mapped = moments_against[0] if moments_against is not None else None
         if mapped is not None:
@@ -266,7 +268,7 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
         raise ValueError(f"{fp.name}: a change of W is added to the SVD the factors started from; pass basis too")
     if parts is not None and (basis is not None or change is not None):
         raise ValueError(f"{fp.name}: give the merge as parts or as basis and change, not both")
-    w = fp.weight
+    w = restore_weight(fp)
     with torch.no_grad():
         if parts is not None:
             merged = (parts.U @ parts.core) @ parts.Vh + parts.P @ parts.Q.T

@@ -45,7 +45,10 @@ class LowRankWeight(nn.Module):
 
     Mode ``"full"`` returns the original W (the gradient flows to W).
     Mode ``"lowrank"`` returns ``(A @ B).reshape(S)``; A (m×r) and B (r×n) are
-    parameters of this module and W gets no gradient.
+    parameters of this module, and W gets no gradient and holds no numbers: its
+    storage is released by the decomposition (:func:`release_weight`) and
+    allocated again by the recomposition, so a layer in lowrank mode costs the
+    memory of its factors alone.
     """
 
     def __init__(self, shape: Sequence[int], *, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -137,6 +140,37 @@ def replace_data(param: nn.Parameter, data: Tensor) -> None:
     param.data = data
 
 
+def release_weight(fp: "FactorizedParam") -> None:
+    """Free the stored W of a layer about to train as A·B (a 0-size tensor of W's dtype takes its place).
+
+    W is stale while the factors train and is written whole by the recomposition,
+    so nothing is lost; the layer's memory is then its factors'. The Parameter keeps
+    its identity, so the optimizer (and its state for W, where the caller keeps it)
+    still knows it.
+    """
+    w = fp.weight
+    if w.numel():
+        replace_data(w, torch.empty(0, dtype=w.dtype, device=w.device))
+        w.grad = None
+
+
+def restore_weight(fp: "FactorizedParam") -> nn.Parameter:
+    """W of its full shape again (values undefined until written), for the recomposition to fill."""
+    w = fp.weight
+    if w.shape != fp.shape:
+        replace_data(w, torch.empty(fp.shape, dtype=w.dtype, device=w.device))
+    return w
+
+
+def _adopt_saved_shape(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load hook of a parametrized weight: W is stored 0-size while its layer is low rank, so a checkpoint
+    may hold it released or whole, whichever the model holds now; take the checkpoint's shape first."""
+    saved = state_dict.get(prefix + "original")
+    original = getattr(module, "original", None)
+    if isinstance(saved, Tensor) and isinstance(original, Tensor) and saved.shape != original.shape:
+        replace_data(original, torch.empty(saved.shape, dtype=original.dtype, device=original.device))
+
+
 @dataclass
 class FactorizedParam:
     """One factorisable weight: where it lives and its parametrization.
@@ -157,7 +191,7 @@ class FactorizedParam:
 
     @property
     def weight(self) -> nn.Parameter:
-        """The stored full-rank W (stale while in lowrank mode, until :func:`recompose`)."""
+        """The stored full-rank W (0-size while in lowrank mode, until :func:`recompose`)."""
         return self.module.parametrizations[self.pname].original  # type: ignore[index,union-attr]
 
     @property
@@ -268,6 +302,7 @@ def prepare_model(
         lr = LowRankWeight(param.shape, dtype=param.dtype, device=param.device)
         linear = isinstance(mod, nn.Linear) and pname == "weight" and type(mod).forward is nn.Linear.forward
         parametrize.register_parametrization(mod, pname, lr)
+        mod.parametrizations[pname].register_load_state_dict_pre_hook(_adopt_saved_shape)  # type: ignore[index,union-attr]
         if linear and apply != "weight":
             lr.apply = apply
             # An instance attribute: nn.Module.__call__ runs self.forward, so only this module changes.

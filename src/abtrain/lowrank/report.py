@@ -59,9 +59,10 @@ def _factor_ids(records: Iterable[FactorizedParam]) -> set[int]:
 
 
 def full_param_count(model: nn.Module, records: Sequence[FactorizedParam]) -> int:
-    """Parameters of the full-rank model: every parameter, factors A and B excluded."""
-    factors = _factor_ids(records)
-    return sum(p.numel() for p in model.parameters() if id(p) not in factors)
+    """Parameters of the full-rank model: every parameter, factors A and B excluded, each W at its full size
+    (a layer in lowrank mode stores its W 0-size)."""
+    skip = _factor_ids(records) | {id(fp.weight) for fp in records}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip) + sum(fp.m * fp.n for fp in records)
 
 
 def ab_param_count(model: nn.Module, records: Sequence[FactorizedParam]) -> int:

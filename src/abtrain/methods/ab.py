@@ -462,7 +462,7 @@ class ABTraining(Method):
         (the tangent merge of a phase in which neither group has changed W yet)."""
         for fp in self.records:
             if fp.name in self._bases and fp.mode == "lowrank":
-                lowrank.recompose(fp, self._bases[fp.name], torch.zeros_like(fp.weight))
+                lowrank.recompose(fp, self._bases[fp.name], fp.weight.new_zeros(fp.shape))
         self._bases = {}
         lowrank.set_trainable(self.records, "full")
 
