@@ -171,11 +171,20 @@ class TensorBoard:
 
 def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: int, steps_per_epoch: int,
                    params: int, wall: float, peak_rss: int, comm: dict[str, Any], method_results: dict[str, Any],
-                   resumes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The content of results.json: the run's identity, final metrics, the ledger's summary, the history."""
+                   resumes: list[dict[str, Any]], memory: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The content of results.json: the run's identity, final metrics, the ledger's summary, the history.
+
+    ``memory``: ``training_state_bytes`` (the most any worker held after a step) and ``moments_per_element``
+    (the optimizer's per-element state tensors, which DDP's training state of the same model counts)."""
     import torch
 
     from ._version import __version__
+    from .memory import dense_training_state_bytes
+
+    memory = memory or {}
+    ddp = ddp_equivalent(params, topo.world_size, topo.group_size, steps)
+    if "moments_per_element" in memory:
+        ddp["training_state_bytes"] = dense_training_state_bytes(params, memory["moments_per_element"])
 
     last = history[-1]
     return {
@@ -194,8 +203,14 @@ def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: in
         "final": {k: last[k] for k in ("test_accuracy", "test_loss", "test_perplexity", "train_loss")},
         "wall_seconds": wall,
         "peak_rss_bytes": peak_rss,
+        # the model as it trains: the low-rank model of AB-training's last phase, the dense one otherwise
+        "model_params": params,
+        "compression_ratio": None,
+        "training_state_bytes": memory.get("training_state_bytes"),
+        # rank 0's most after a step of each phase, by part (parameters, gradients, optimizer, method.*)
+        "training_state_by_phase": memory.get("training_state_by_phase"),
         "comm": comm,
-        "ddp_equivalent": ddp_equivalent(params, topo.world_size, topo.group_size, steps),
+        "ddp_equivalent": ddp,
         **method_results,
         "resumes": resumes,
         "history": history,
@@ -222,6 +237,25 @@ def ddp_equivalent(params: int, world_size: int, group_size: int, steps: int) ->
     return {"wire_bytes": total, "global_wire_bytes": total if group_size < world_size else 0.0}
 
 
+def _model_line(results: dict[str, Any]) -> str:
+    """The low-rank model's size and the training state beside DDP's, where the run knows them."""
+    text = ""
+    ratio = results.get("compression_ratio")
+    if ratio is not None:
+        text += f" dense, {results['model_params']:,} low rank (compression {ratio:.2f}:1)"
+    state = results.get("training_state_bytes")
+    ddp_state = (results.get("ddp_equivalent") or {}).get("training_state_bytes")
+    if state:
+        text += f"\n  training state  {human_bytes(state)} per worker at most"
+        if ddp_state and results["method"] != "ddp":
+            text += f" ({state / ddp_state:.2f}x DDP's {human_bytes(ddp_state)})"
+        phases = results.get("training_state_by_phase") or {}
+        if len(phases) > 1:
+            text += "; by phase " + ", ".join(f"{name} {human_bytes(sum(parts.values()))}"
+                                              for name, parts in phases.items())
+    return text
+
+
 def _times_fewer(ddp: float, ours: float) -> str:
     if ddp <= 0:
         return "none, as DDP" if ours <= 0 else "DDP would send none"
@@ -240,7 +274,7 @@ def summary_table(results: dict[str, Any], run_dir: str) -> str:
         f"  test accuracy   {100 * final['test_accuracy']:.2f} %" + f"    test loss {final['test_loss']:.4f}"
         + (f"    perplexity {final['test_perplexity']:.2f}" if final.get("test_perplexity") else ""),
         f"  wall time       {results['wall_seconds']:.1f} s    peak RSS {human_bytes(results['peak_rss_bytes'])}",
-        f"  parameters      {results['params']:,}",
+        f"  parameters      {results['params']:,}" + _model_line(results),
         f"  communication   wire {human_bytes(comm['wire_bytes'])} per worker "
         f"(global {human_bytes(comm['by_scope']['global']['wire_bytes'])}, "
         f"group {human_bytes(comm['by_scope']['group']['wire_bytes'])}); "

@@ -18,6 +18,7 @@ from .comm import Communicator, Ledger
 from .config import TrainConfig
 from .data import batches, shard_indices
 from .methods import build_method
+from .memory import moments_per_element
 from .models import count_parameters
 from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
@@ -270,6 +271,7 @@ class Trainer:
             "guard": self.guard.state_dict(),
             "settings": self.settings(),
             "resumes": self.resumes,
+            "peak_state": self.method.peak_state,
         }
 
     def settings(self) -> dict[str, Any]:
@@ -296,6 +298,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.ledger.load_state_dict(state["ledger"])
+        self.method.peak_state = dict(state.get("peak_state", {}))
         ckpt.set_rng_state(state["rng"])
         self.step = state["step"]
         self.history = list(state["history"])
@@ -364,13 +367,17 @@ class Trainer:
     def finish(self) -> dict[str, Any] | None:
         """Rank 0 writes results.json, metrics.csv and model.pt (collective: the ledger's mean over workers)."""
         with self.ledger.in_phase("eval"):
-            rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=self.topo.device)
+            # the most any worker held: peak RSS and training state (the groups of AB-training differ)
+            rss = torch.tensor([peak_rss_bytes(), self.method.peak_state_bytes], dtype=torch.float64,
+                               device=self.topo.device)
             self.comm.all_reduce(rss, self.topo.world, op="max")
             comm = self.comm.mean_summary(self.topo.world)
         if not self.is_main:
             return None
+        memory = {"training_state_bytes": int(rss[1].item()), "moments_per_element": moments_per_element(self.optimizer),
+                  "training_state_by_phase": self.method.peak_state}
         results = results_record(self.cfg, self.topo, self.history, self.step, self.steps_per_epoch, self.params,
-                                 self.wall, int(rss.item()), comm, self.method.extra_results(), self.resumes)
+                                 self.wall, int(rss[0].item()), comm, self.method.extra_results(), self.resumes, memory)
         bad = self._non_finite()
         if bad is not None:
             raise FloatingPointError(f"{bad} holds inf or nan at the end of training"

@@ -14,6 +14,11 @@ def factors_compress(m: int, n: int, r: int, min_compression: float = 1.0) -> bo
     return r * (m + n) * min_compression < m * n
 
 
+def paying_rank(m: int, n: int) -> int:
+    """The largest rank whose factors hold fewer numbers than the m×n matrix: r(m+n) < m·n (0 if none does)."""
+    return (m * n - 1) // (m + n)
+
+
 @dataclass(frozen=True)
 class RankRule:
     """How to pick a rank from singular values; set exactly one of tau, rank, fraction, energy.

@@ -80,6 +80,7 @@ class ABTraining(Method):
         self._losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
         self._cut: tuple[int, float] | None = None  # (step, loss level) of the last truncation, while watched
         self._said_lines: list[str] = []  # the per-layer decisions rank 0 printed last
+        self._capped_said: set[str] = set()  # layers whose rank cap rank 0 has explained
         self._said_same = False  # rank 0 said that a decomposition left every layer as before, and since then none changed
         self._agreed_at: int | None = None  # step at which consensus() last brought the workers together
         self._optimizer: torch.optim.Optimizer | None = None  # the attached one (consensus() syncs its moments)
@@ -89,7 +90,8 @@ class ABTraining(Method):
         self.ratio: float | None = None
         # optimizer_state="map": this worker's frozen factors as they were at the last sync, by layer
         self._frozen: dict[str, torch.Tensor] = {}
-        self._bases: dict[str, lowrank.SVD] = {}  # split="tangent": the SVD each low-rank layer started from
+        # split="tangent": each low-rank layer's trained factor as its phase started (U·σ or σ·Vᵀ), and σ
+        self._bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # sync_payload="lowrank": PowerSGD on the summed change of W, its error memories and warm-start Qs
         self._compressor = (PowerSGDReducer(comm, rank=self.cfg.sync_rank, min_compression_rate=1.0,
                                             orthogonalization_epsilon=1e-8, wire_dtype=self.wire_dtype,
@@ -274,11 +276,24 @@ class ABTraining(Method):
         return "sigma" if self.cfg.split == "tangent" else self.cfg.split
 
     def _keep_bases(self, records: list[lowrank.FactorizedParam], svds: list[lowrank.SVD]) -> None:
-        """split="tangent": each low-rank layer's (U, σ, Vᵀ) at its rank, the basis of the next sync's merge."""
+        """split="tangent": what the next sync's merge needs of the SVD (U, σ, Vᵀ) each low-rank layer started from.
+
+        The frozen factor already is U or Vᵀ, so only the trained factor's start (U·σ or σ·Vᵀ) and σ are kept:
+        a copy of one factor, not of the whole SVD (:meth:`_basis` puts the three together at the sync)."""
         if self.cfg.split == "tangent":
-            self._bases = {fp.name: lowrank.SVD(s.U[:, :fp.rank].clone(), s.S[:fp.rank].clone(),
-                                                s.Vh[:fp.rank].clone())
+            self._bases = {fp.name: ((fp.A if self._trained_role() == "A" else fp.B).detach().clone(),
+                                     s.S[:fp.rank].clone())
                            for fp, s in zip(records, svds) if fp.mode == "lowrank"}
+
+    def _basis(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
+        """The SVD the layer's phase started from, (U, σ, Vᵀ), from the trained factor's start and the frozen factor
+        (copied: the sync overwrites the factors before the merge reads the basis)."""
+        start, sigma = self._bases[fp.name]
+        # σ = 0 (a rank-deficient W) leaves a zero column in U·σ: U's column is then 0 too, harmless in the merge
+        inverse = torch.where(sigma > 0, 1 / sigma, torch.zeros_like(sigma))
+        if self._trained_role() == "A":
+            return lowrank.SVD(start * inverse, sigma, fp.B.detach().clone())
+        return lowrank.SVD(fp.A.detach().clone(), sigma, inverse[:, None] * start)
 
     def _svd(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
         """W's SVD: updated from the parts the sync left (svd="update") where they hold and check out, else full.
@@ -314,14 +329,28 @@ class ABTraining(Method):
             else:
                 chosen = [None] * len(records)
                 min_compression = None
+            capped = {}
+            if self.cfg.rank_cap == "pays":
+                for i, fp in enumerate(records):
+                    wanted = chosen[i] if chosen[i] is not None else min(fp.m, fp.n)
+                    cap = lowrank.paying_rank(fp.m, fp.n)
+                    if wanted > cap:
+                        chosen[i], capped[fp.name] = cap, wanted
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
             self._factorise(records, chosen, svds, optimizer, min_compression)
+            for fp in records:  # said once per layer, the first time the cap cuts it
+                if fp.name in capped and fp.mode == "lowrank" and fp.name not in self._capped_said:
+                    self._capped_said.add(fp.name)
+                    self.say(f"AB-training: {fp.name} at rank {fp.rank}, not the {capped[fp.name]} its rule chose: "
+                             f"factors of rank {capped[fp.name]} would hold {capped[fp.name] * (fp.m + fp.n)} "
+                             f"numbers, W {fp.m * fp.n} (--ab-rank-cap none lets them)")
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
         self.ranks.append({"step": self.t, "layers": {fp.name: (fp.rank if fp.mode == "lowrank" else None)
                                                       for fp in self.records},
-                           "compression_ratio": self.ratio})
+                           "compression_ratio": self.ratio,
+                           "model_params": lowrank.ab_param_count(self.module, self.records)})
         if truncate and self._losses:
             self._cut = (self.t, sum(self._losses) / len(self._losses))
             self._losses.clear()
@@ -351,6 +380,12 @@ class ABTraining(Method):
                               frozen_orthonormal=self.cfg.svd == "update")
         lowrank.set_trainable(self.records, self._trained_role())
         self._keep_bases(records, svds)
+        sched = self._sched()
+        if sched.rebound == 0 and sched.final_rebound == 0:
+            # No full-rank step follows: W's optimizer state (from the warm-up) would never be read again.
+            # A layer that later trains W again (a gate keeps it full rank) starts its moments afresh.
+            lowrank.reset_state(optimizer, [fp.weight for fp in records if fp.mode == "lowrank"])
+        self.dense.reset()  # the full-rank phase's error memories: the next one starts afresh after a sync anyway
 
     def _take_frozen(self) -> dict[str, tuple[str, torch.Tensor]]:
         """For optimizer_state="map": the factor each layer trained and the frozen one it was trained against,
@@ -377,7 +412,8 @@ class ABTraining(Method):
             # rebound that follows is exact data parallelism with one model everywhere.
             rest = full + buffers + optimizer_moments(optimizer, full)
             # tangent: Ā and B̄ were trained against different splits of one SVD; W adds their changes to it
-            bases = self._bases if self.cfg.sync == "only-learned" else {}
+            bases = ({fp.name: self._basis(fp) for fp in low if fp.name in self._bases}
+                     if self.cfg.sync == "only-learned" else {})
             changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
                                      in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
                                      one_group=self.train_group is self.topo.world and not self.cfg.independent,
@@ -462,7 +498,7 @@ class ABTraining(Method):
         (the tangent merge of a phase in which neither group has changed W yet)."""
         for fp in self.records:
             if fp.name in self._bases and fp.mode == "lowrank":
-                lowrank.recompose(fp, self._bases[fp.name], fp.weight.new_zeros(fp.shape))
+                lowrank.recompose(fp, self._basis(fp), fp.weight.new_zeros(fp.shape))
         self._bases = {}
         lowrank.set_trainable(self.records, "full")
 
@@ -470,6 +506,7 @@ class ABTraining(Method):
         sched = self._sched()
         return {
             "compression_ratio": self.ratio,
+            **({"model_params": self.ranks[-1]["model_params"]} if self.ranks else {}),
             "ranks": self.ranks,
             "phases": sched.ranges(self.t),
             "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle, "rebound_steps": sched.rebound,
@@ -486,7 +523,7 @@ class ABTraining(Method):
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
                 "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
                 "svd_counts": dict(self.svd_counts), "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
-                "bases": {name: tuple(b) for name, b in self._bases.items()},
+                "starts": dict(self._bases),
                 "sync_compressor": self._compressor.state_dict() if self._compressor is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -506,7 +543,11 @@ class ABTraining(Method):
         self.ratio = state["ratio"]
         self.dense.load_state_dict(state["dense"])
         self._frozen = dict(state.get("frozen", {}))
-        self._bases = {name: lowrank.SVD(*b) for name, b in state.get("bases", {}).items()}
+        self._bases = {name: tuple(b) for name, b in state.get("starts", {}).items()}
+        if state.get("bases"):  # an earlier layout: the whole SVD of each layer
+            role = self._trained_role()
+            self._bases = {name: (u * s if role == "A" else s[:, None] * vh, s)
+                           for name, (u, s, vh) in state["bases"].items()}
         if self._compressor is not None and state.get("sync_compressor") is not None:
             if "errors" not in state["sync_compressor"]:
                 raise ValueError("checkpoint holds the low-rank sync's memories in an earlier layout; "

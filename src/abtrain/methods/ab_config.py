@@ -18,6 +18,7 @@ TANGENT_CORES = {"sum": 1.0, "mean": 0.5}  # --ab-tangent-core: the weight of th
 STATE_POLICIES = ("keep", "map", "reset")
 SVD_MODES = ("full", "update")
 INITS = ("default", "ortho-sigma")
+RANK_CAPS = ("pays", "none")
 DEFAULT_TAU = 0.05  # the relative cut-off used when no rank rule is given (the reference experiments: 0.15)
 
 #: The paper's choices where abtrain's defaults differ (those were measured to send fewer bytes between nodes
@@ -59,6 +60,7 @@ class ABConfig(Options):
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
     energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
     min_rank: int = opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
+    rank_cap: str = opt("pays", "pays: no layer is ever factorised at a rank whose factors hold as many numbers as W, r(m+n) >= m*n, the first decomposition included: the rank is cut to the largest that pays (the layer costs less than W every phase, and later truncations cut it further); none: the rank rule alone decides, as the paper's code does (factors may then be larger than W)", choices=RANK_CAPS)
     min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
     truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
     sync: str = opt("only-learned", "sync mode (the paper: with-stale)", choices=SYNC_MODES)

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
 from ..comm import Communicator
+from ..memory import training_state_parts
 from ..topology import Topology
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class Method:
         self._attached: tuple[torch.optim.Optimizer, list[Any]] | None = None  # the optimizer and its hooks
         self.last_lrs: list[float] = []  # learning rates applied in the last step
         self.verbose = True  # rank 0 prints what the method decides (see say())
+        #: by phase (the ledger's label of the step), the most bytes of training state this worker held after a
+        #: step of that phase, by part (:mod:`abtrain.memory`)
+        self.peak_state: dict[str, dict[str, int]] = {}
 
     @property
     def phase(self) -> str:
@@ -69,7 +73,7 @@ class Method:
         if self._attached is not None:
             raise ValueError("the method is already attached to an optimizer: call method.detach() first")
         handles = [optimizer.register_step_pre_hook(lambda *_: self._pre_step(optimizer)),
-                   optimizer.register_step_post_hook(lambda *_: self.after_step(optimizer))]
+                   optimizer.register_step_post_hook(lambda *_: self._post_step(optimizer))]
         self._attached = (optimizer, handles)
         try:
             self.start(optimizer)
@@ -109,6 +113,21 @@ class Method:
         self.before_step(optimizer)
         # What the optimizer uses in this step, after any change the method made (AB's LR ramp).
         self.last_lrs = [g["lr"] for g in optimizer.param_groups]
+
+    def _post_step(self, optimizer: torch.optim.Optimizer) -> None:
+        phase = self.phase
+        self.after_step(optimizer)
+        # After the method's own step: a sync or decomposition has changed what the worker holds by then, and the
+        # gradients of the step just taken are still there (the next zero_grad frees them).
+        if self.module is not None:
+            parts = training_state_parts(self.module, optimizer, self)
+            if sum(parts.values()) > sum(self.peak_state.get(phase, {}).values()):
+                self.peak_state[phase] = parts
+
+    @property
+    def peak_state_bytes(self) -> int:
+        """The most bytes of training state this worker held after any step so far."""
+        return max((sum(parts.values()) for parts in self.peak_state.values()), default=0)
 
     @property
     def last_lr(self) -> float | None:
