@@ -51,6 +51,8 @@ def test_ddp_end_to_end(tmp_path, fashion_dir):
     # The DDP reference every other method's summary sets its bytes against is this run's train phase.
     assert r["ddp_equivalent"]["wire_bytes"] == pytest.approx(comm["by_phase"]["train"]["wire_bytes"])
     assert r["ddp_equivalent"]["global_wire_bytes"] == 0 and "versus DDP" not in p.stdout  # one group of 2
+    # training state: fp32 parameters, gradients and SGD's momentum, nothing else; the formula DDP's figure uses
+    assert r["training_state_bytes"] == r["ddp_equivalent"]["training_state_bytes"] == 3 * 4 * r["params"]
 
 
 def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion_dir):
@@ -62,7 +64,12 @@ def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion
     assert (r["method"], r["world_size"], r["group_size"]) == ("ab", 4, 2)
     assert "one node of 4 workers: 2 groups of 2" in p.stdout
     ddp = 12 * 2 * 3 / 4 * 4 * r["params"]  # 12 steps of a ring all-reduce of fp32 gradients over 4 workers
-    assert r["ddp_equivalent"] == {"wire_bytes": pytest.approx(ddp), "global_wire_bytes": pytest.approx(ddp)}
+    assert r["ddp_equivalent"] == {"wire_bytes": pytest.approx(ddp), "global_wire_bytes": pytest.approx(ddp),
+                                   "training_state_bytes": 3 * 4 * r["params"]}  # SGD with momentum
+    # the low-rank model: no layer's factors hold as many numbers as its W (the default rank cap)
+    assert r["compression_ratio"] >= 1.0 and r["model_params"] <= r["params"]
+    assert [set(entry["layers"]) for entry in r["ranks"]] == [{"hidden.weight"}] * len(r["ranks"])  # 256 x 256
+    assert all(entry["layers"]["hidden.weight"] * (256 + 256) < 256 * 256 for entry in r["ranks"])
     ours = r["comm"]["by_scope"]["global"]["wire_bytes"], r["comm"]["wire_bytes"]
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("  versus DDP"))
     for theirs, mine, what in ((ddp, ours[0], "global"), (ddp, ours[1], "total")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -384,6 +385,40 @@ def test_state_dict_round_trip_restores_factors_and_mode():
     assert [fp.mode for fp in fresh_records] == ["lowrank"] * 4
     with torch.no_grad():
         assert torch.equal(fresh(x), model(x))
+
+
+def test_a_low_rank_layer_holds_no_w_and_a_checkpoint_loads_either_way():
+    """W's storage is released while the factors train and allocated again, whole, by the recomposition;
+    a checkpoint written in either mode loads into a model in the other."""
+    model = _build(CNN)
+    records = lr.prepare_model(model)
+    whole = copy.deepcopy(model.state_dict())
+    x = CNN.example()
+    for fp in records:
+        lr.decompose(fp)  # full rank: the same function
+        assert fp.weight.numel() == 0 and fp.weight.grad is None
+    low = copy.deepcopy(model.state_dict())
+    assert low["grouped.parametrizations.weight.original"].numel() == 0
+    with torch.no_grad():
+        out_low = model(x)
+    model.load_state_dict(whole)  # the checkpoint of the full-rank model into released layers
+    assert [fp.mode for fp in records] == ["full"] * len(records)
+    assert all(fp.weight.shape == fp.shape for fp in records)
+    model.load_state_dict(low)
+    assert all(fp.weight.numel() == 0 for fp in records)
+    with torch.no_grad():
+        assert torch.equal(model(x), out_low)
+    for fp in records:
+        lr.recompose(fp)
+        torch.testing.assert_close(fp.weight.detach(), whole[f"{fp.name.rpartition('.')[0]}.parametrizations.weight"
+                                                            ".original"], rtol=1e-5, atol=1e-5)
+
+
+def test_paying_rank_is_the_largest_rank_whose_factors_are_smaller_than_w():
+    for m, n in [(64, 288), (256, 1152), (1024, 1024), (3, 32), (8, 8), (1, 5)]:
+        r = lr.paying_rank(m, n)
+        assert r * (m + n) < m * n <= (r + 1) * (m + n), (m, n, r)
+        assert not lr.factors_compress(m, n, r + 1)
 
 
 # ---------------------------------------------------------------------------

@@ -49,9 +49,11 @@ class TrainConfig:
     lr: float = opt(0.05, "peak learning rate")
     optimizer: str = opt("sgd", "optimizer: sgd (with momentum) or adamw", choices=OPTIMIZERS)
     momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)")
-    weight_decay: float = opt(5e-4, "weight decay")
+    weight_decay: float = opt(5e-4, "weight decay (of the parameters with 2 or more dims, unless --weight-decay-all)")
+    weight_decay_all: bool = opt(False, "decay every parameter, biases and norms too (the AB-training paper's recipe)")
     lr_schedule: str = opt("cosine", "learning-rate schedule over the run", choices=SCHEDULES)
     warmup_lr_steps: int = opt(0, "linear learning-rate warm-up steps at the start of the run")
+    warmup_lr_fraction: float = opt(0.0, "linear learning-rate warm-up over this share of the run's steps, in [0, 1) (--warmup-lr-steps, when given, wins)")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
     grad_clip: float | None = opt(None, "clip the gradient norm to this value (off by default)")
     seed: int = opt(0, "random seed (model init, data order); the same on every worker")
@@ -101,6 +103,8 @@ class TrainConfig:
         for name in ("weight_decay", "warmup_lr_steps", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.warmup_lr_fraction < 1:
+            raise ValueError(f"--warmup-lr-fraction must be in [0, 1), got {self.warmup_lr_fraction}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         if not 0 <= self.label_smoothing < 1:

@@ -41,9 +41,9 @@ def group_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> tu
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD with momentum or AdamW; no weight decay on 1-D parameters (biases, norms)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """SGD with momentum or AdamW; no weight decay on 1-D parameters (biases, norms) unless ``weight_decay_all``."""
+    decay = [p for p in model.parameters() if p.ndim >= 2 or cfg.weight_decay_all]
+    no_decay = [p for p in model.parameters() if p.ndim < 2 and not cfg.weight_decay_all]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
@@ -52,7 +52,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
     """Linear warm-up, then cosine decay to zero (or constant)."""
-    warm = cfg.warmup_lr_steps
+    warm = cfg.warmup_lr_steps or round(cfg.warmup_lr_fraction * total_steps)
 
     def factor(step: int) -> float:
         if step < warm:

@@ -29,7 +29,7 @@ from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, map
                         recompose, reset_state, resize_state, svd, svd_update, tangent_parts)
 from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
                      plain_state_dict, prepare_model, set_mode, set_trainable)
-from .ranks import RankRule, factors_compress, paying_rank
+from .ranks import RankRule, factors_compress, paying_rank, state_rank
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
                      log_decisions, output_weights)
 
@@ -64,6 +64,7 @@ __all__ = [
     "resize_state",
     "set_mode",
     "set_trainable",
+    "state_rank",
     "svd",
     "svd_update",
     "tangent_parts",

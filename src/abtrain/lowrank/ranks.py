@@ -19,6 +19,19 @@ def paying_rank(m: int, n: int) -> int:
     return (m * n - 1) // (m + n)
 
 
+def state_rank(m: int, n: int, moments: int, memory: bool, extra: int = 0) -> int:
+    """The largest rank at which the layer's training state on either role is no more than DDP's for W.
+
+    DDP holds W, its gradient and ``moments`` per-element optimizer tensors: (2 + moments)·m·n numbers.
+    A worker training one factor holds that factor, its gradient, its moments and its starting value (the
+    tangent merge's), (3 + moments) copies of it, the frozen factor, and with ``memory`` an m×n error memory
+    (the low-rank sync payload's), and ``extra`` numbers whatever the rank (warm-start factors). The factor
+    with the longer side, r·max(m, n), is the costlier to train.
+    """
+    budget = (2 + moments - (1 if memory else 0)) * m * n - extra
+    return max(0, budget // ((3 + moments) * max(m, n) + min(m, n)))
+
+
 @dataclass(frozen=True)
 class RankRule:
     """How to pick a rank from singular values; set exactly one of tau, rank, fraction, energy.

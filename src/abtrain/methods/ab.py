@@ -34,6 +34,7 @@ from ..topology import Topology
 from .ab_config import TANGENT_CORES, ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
 from .ab_sync import average_models, full_rank_tensors
+from ..memory import moments_per_element
 from .base import Method, optimizer_moments
 from .registry import MethodSpec, register
 
@@ -309,6 +310,18 @@ class ABTraining(Method):
         self.svd_counts["full"] += 1
         return lowrank.svd(fp)
 
+    def _rank_cap(self, fp: lowrank.FactorizedParam, moments: int) -> int:
+        """The most rank --ab-rank-cap lets the layer keep (never below the rank floor)."""
+        if self.cfg.rank_cap == "pays":
+            cap = lowrank.paying_rank(fp.m, fp.n)
+        else:
+            # the warm-start Qs the layer keeps: the sync compressor's and the full-rank phases' PowerSGD's
+            extra = sum(q * fp.n for q, used in ((self.cfg.sync_rank, self._compressor is not None),
+                                                            (self.cfg.powersgd_rank, self.cfg.dense_comm == "powersgd"))
+                        if used)
+            cap = lowrank.state_rank(fp.m, fp.n, moments, memory=self._compressor is not None, extra=extra)
+        return max(cap, min(self.cfg.min_rank, fp.m, fp.n))
+
     def _trained_role(self) -> str:
         return "B" if self.cfg.sync == "only-b" else self.role
 
@@ -330,10 +343,11 @@ class ABTraining(Method):
                 chosen = [None] * len(records)
                 min_compression = None
             capped = {}
-            if self.cfg.rank_cap == "pays":
+            if self.cfg.rank_cap != "none":
+                moments = moments_per_element(optimizer)
                 for i, fp in enumerate(records):
                     wanted = chosen[i] if chosen[i] is not None else min(fp.m, fp.n)
-                    cap = lowrank.paying_rank(fp.m, fp.n)
+                    cap = self._rank_cap(fp, moments)
                     if wanted > cap:
                         chosen[i], capped[fp.name] = cap, wanted
             if self.cfg.optimizer_state == "reset":
@@ -342,9 +356,11 @@ class ABTraining(Method):
             for fp in records:  # said once per layer, the first time the cap cuts it
                 if fp.name in capped and fp.mode == "lowrank" and fp.name not in self._capped_said:
                     self._capped_said.add(fp.name)
+                    why = (f"factors of rank {capped[fp.name]} would hold {capped[fp.name] * (fp.m + fp.n)} numbers, "
+                           f"W {fp.m * fp.n}" if self.cfg.rank_cap == "pays" else
+                           "a higher rank would hold more training state than DDP holds for W")
                     self.say(f"AB-training: {fp.name} at rank {fp.rank}, not the {capped[fp.name]} its rule chose: "
-                             f"factors of rank {capped[fp.name]} would hold {capped[fp.name] * (fp.m + fp.n)} "
-                             f"numbers, W {fp.m * fp.n} (--ab-rank-cap none lets them)")
+                             f"{why} (--ab-rank-cap)")
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
         self.ranks.append({"step": self.t, "layers": {fp.name: (fp.rank if fp.mode == "lowrank" else None)
@@ -410,7 +426,7 @@ class ABTraining(Method):
             # Parameters trained during the AB phase on every worker (full-rank ones)
             # carry group-specific optimizer moments: average them too, so that the
             # rebound that follows is exact data parallelism with one model everywhere.
-            rest = full + buffers + optimizer_moments(optimizer, full)
+            rest = full + buffers + (optimizer_moments(optimizer, full) if self.cfg.sync_moments else [])
             # tangent: Ā and B̄ were trained against different splits of one SVD; W adds their changes to it
             bases = ({fp.name: self._basis(fp) for fp in low if fp.name in self._bases}
                      if self.cfg.sync == "only-learned" else {})

@@ -18,7 +18,7 @@ TANGENT_CORES = {"sum": 1.0, "mean": 0.5}  # --ab-tangent-core: the weight of th
 STATE_POLICIES = ("keep", "map", "reset")
 SVD_MODES = ("full", "update")
 INITS = ("default", "ortho-sigma")
-RANK_CAPS = ("pays", "none")
+RANK_CAPS = ("pays", "state", "none")
 DEFAULT_TAU = 0.05  # the relative cut-off used when no rank rule is given (the reference experiments: 0.15)
 
 #: The paper's choices where abtrain's defaults differ (those were measured to send fewer bytes between nodes
@@ -60,7 +60,7 @@ class ABConfig(Options):
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
     energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
     min_rank: int = opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
-    rank_cap: str = opt("pays", "pays: no layer is ever factorised at a rank whose factors hold as many numbers as W, r(m+n) >= m*n, the first decomposition included: the rank is cut to the largest that pays (the layer costs less than W every phase, and later truncations cut it further); none: the rank rule alone decides, as the paper's code does (factors may then be larger than W)", choices=RANK_CAPS)
+    rank_cap: str = opt("pays", "the most rank any decomposition keeps, the first included (later truncations cut further): pays: the largest whose factors hold fewer numbers than W, r(m+n) < m*n; state: the largest at which a worker's training state for the layer (its trained factor with gradient, moments and starting copy, the frozen factor, the sync's error memory) is no more than DDP's (W, gradient, moments); none: the rank rule alone decides, as the paper's code does (factors may then hold more than W)", choices=RANK_CAPS)
     min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
     truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
     sync: str = opt("only-learned", "sync mode (the paper: with-stale)", choices=SYNC_MODES)
@@ -74,6 +74,7 @@ class ABConfig(Options):
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank (a layer whose q*(m+n) is not below m*n sends the smaller of its change and its factors)")
     sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed layer's change whole (m*n numbers), with what its error memory held, so that the final model holds every change the groups made")
     svd: str = opt("full", "how the decomposition after a sync finds W's SVD: full (an SVD of the m x n weight) or update (with --ab-sync-payload lowrank: W is the SVD the phase started from plus the rank-q change the sync added, so the sync forms W from those parts and its SVD comes from an (r+q) x (r+q) one, checked against W, a full SVD where the check fails; moments are mapped through the frozen factor's transpose); the same factors up to rounding and the signs of singular vectors", choices=SVD_MODES)
+    sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase (biases, norms, layers kept full rank), so that the full-rank step after it is exact data parallelism; the paper's code averages the parameters only (--ab-no-sync-moments)")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
