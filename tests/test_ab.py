@@ -52,6 +52,14 @@ def _snapshot(method, model):
             "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}}
 
 
+def _full_moments(method, model, opt):
+    """The optimizer's per-element state of the parameters trained full rank (not factors, not a low-rank W)."""
+    skip = {id(t) for fp in method.records for t in (fp.A, fp.B)}
+    skip |= {id(fp.weight) for fp in method.records if fp.mode == "lowrank"}
+    return {f"{n}.{k}": v for n, p in model.named_parameters() if id(p) not in skip
+            for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v) and v.shape == p.shape}
+
+
 def _tensors(snapshot):
     """Every tensor of a snapshot, keyed by (kind, name)."""
     return {(kind, name): v for kind, part in snapshot.items() for name, v in part.items()}
@@ -139,7 +147,10 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     # the core the tangent split had before they followed it; options over them as flags over a config file
     # (a rank rule in options replaces the paper's tau)
     base = {**PAPER, "warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0,
-            "sync_payload": "factors", "tangent_core": "sum"}
+            "sync_payload": "factors", "tangent_core": "sum", "sync_moments": True, "min_rank": 8, "init": "default"}
+    options = dict(options)
+    if options.pop("defaults", False):  # abtrain's defaults, with only the schedule of these tests in steps
+        base = {"warmup_steps": T_W, "cycle_steps": K}
     cfg = ABConfig(**merge({"ab": base}, {"ab": options})["ab"])
     method = ABTraining(comm, topo, cfg)
     model = method.prepare(model)
@@ -188,6 +199,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             opt.step()
             after = _snapshot(method, model)
             after["W"].update(sync_due.pop("merged", {}))
+            after["moments_full"] = {n: m.clone() for n, m in _full_moments(method, model, opt).items()}
             if sync_due:
                 memory = method._compressor.errors if method._compressor is not None else {}  # lowrank payload
                 out["syncs"].append({"step": method.t, **sync_due, "after": after,
@@ -209,6 +221,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     out["float_buffers"] = sum(b.numel() for b in model.buffers() if b.is_floating_point())
     out["summary"] = comm.ledger.summary()
     out["results"] = method.extra_results()
+    out["planned_syncs"] = method.schedule.syncs() if plan else None
     return out
 
 
@@ -267,6 +280,10 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
     "full": ({"rank_fraction": 0.25, "sync": "full"}, "sgd", T_W + K, False),
+    # with-stale as the authors' code runs it: the parameters averaged at a sync, not their moments
+    "no-sync-moments": ({"rank_fraction": 0.25, "sync_moments": False}, "sgd", T_W + K, False),
+    # abtrain's defaults end to end, planned, the run ending with a sync on its last step (3K)
+    "defaults": ({"defaults": True}, "sgd", 3 * K, True),
     # the first 2 warm-up steps in fp32, the third through rank-4 PowerSGD
     "dense-start": ({"rank_fraction": 0.25, "dense_comm": "powersgd", "powersgd_rank": 4, "dense_start_steps": 2},
                     "sgd", T_W, False),
@@ -725,7 +742,7 @@ def _check_lowrank_syncs(outs, q, element_bytes, projected):
         o, element_bytes, lambda name, a, b: q * sum(m_n[name]))
 
 
-@pytest.mark.parametrize("mode", ["only-learned", "full"])
+@pytest.mark.parametrize("mode", ["only-learned", "full", "with-stale"])
 def test_sync_modes_compute_the_spec_average(runs, mode):
     outs = runs[mode]
     sync = [o["syncs"][0] for o in outs]
@@ -734,11 +751,46 @@ def test_sync_modes_compute_the_spec_average(runs, mode):
         Bs = torch.stack([s["before"][name][1] for s in sync]).double()
         if mode == "only-learned":
             W = As[:2].mean(0) @ Bs[2:].mean(0)
+        elif mode == "with-stale":  # every worker's A and B, trained or stale, averaged: W = mean A times mean B
+            W = As.mean(0) @ Bs.mean(0)
         else:
             W = (As @ Bs).mean(0)
         for s in sync:
             got = s["after"]["W"][name].double().reshape(W.shape)
             assert torch.allclose(got, W, rtol=1e-5, atol=1e-6), (mode, name)
+
+
+def test_a_sync_averages_the_full_rank_moments_unless_told_not_to(runs):
+    """The parameters trained apart during the AB phase (biases, norms, kept layers) leave a sync equal on every
+    worker; their optimizer moments too by default, and not with sync_moments=False (the authors' code)."""
+    for name, averaged in (("with-stale", True), ("no-sync-moments", False)):
+        outs = runs[name]
+        after = [o["syncs"][0]["after"] for o in outs]
+        assert after[0]["moments_full"] and after[0]["other"]
+        for a in after[1:]:
+            assert all(torch.equal(a["other"][k], v) for k, v in after[0]["other"].items()), name
+        other_group = after[2]  # workers 0 and 1 trained in one group, 2 and 3 in the other
+        same = all(torch.equal(other_group["moments_full"][k], v) for k, v in after[0]["moments_full"].items())
+        assert same == averaged, name
+
+
+def test_the_defaults_run_end_to_end_and_leave_the_last_syncs_model(runs):
+    """abtrain's defaults in a 4-worker world: no factors larger than W at any decomposition, the schedule's
+    sync count is the syncs made, and a run whose last step ends with a sync is left with the W that sync
+    merged on every worker (no cut follows it)."""
+    outs = runs["defaults"]
+    o = outs[0]
+    assert o["planned_syncs"] == o["results"]["syncs"] == 3 and [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
+    for entry in o["ranks_log"]:
+        for name, m, n in o["records"]:
+            r = entry["layers"][name]
+            assert r is None or r * (m + n) < m * n, (entry["step"], name, r)
+    assert [entry["step"] for entry in o["ranks_log"]] == [T_W, K, 2 * K]  # none after the last step
+    merged = o["syncs"][-1]["after"]["W"]
+    for w in outs:
+        assert set(w["final_modes"].values()) == {"full"}
+        for name, weight in w["final"]["W"].items():
+            assert torch.equal(weight, merged[name]), name
 
 
 def test_only_b_over_the_world_trains_b_with_dp_everywhere(runs):

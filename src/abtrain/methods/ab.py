@@ -88,10 +88,11 @@ class ABTraining(Method):
         self.ranks: list[dict[str, Any]] = []
         self.svd_seconds = 0.0
         self.sync_seconds = 0.0
+        self.syncs = 0  # syncs so far, consensus() and the last one included
         self.ratio: float | None = None
         # optimizer_state="map": this worker's frozen factors as they were at the last sync, by layer
         self._frozen: dict[str, torch.Tensor] = {}
-        # split="tangent": each low-rank layer's trained factor as its phase started (U·σ or σ·Vᵀ), and σ
+        # split="tangent": each low-rank layer's singular vectors its frozen factor does not hold (U or Vᵀ), and σ
         self._bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # sync_payload="lowrank": PowerSGD on the summed change of W, its error memories and warm-start Qs
         self._compressor = (PowerSGDReducer(comm, rank=self.cfg.sync_rank, min_compression_rate=1.0,
@@ -241,6 +242,7 @@ class ABTraining(Method):
         if any(fp.mode == "lowrank" for fp in self._kept_records()):
             self._keep_output_full()
         sync, decompose = self._sched().events(self.t)
+        decompose = decompose and self._sched().decomposes_at(self.t)
         if sync:
             self._sync(optimizer)
         if decompose:
@@ -279,22 +281,21 @@ class ABTraining(Method):
     def _keep_bases(self, records: list[lowrank.FactorizedParam], svds: list[lowrank.SVD]) -> None:
         """split="tangent": what the next sync's merge needs of the SVD (U, σ, Vᵀ) each low-rank layer started from.
 
-        The frozen factor already is U or Vᵀ, so only the trained factor's start (U·σ or σ·Vᵀ) and σ are kept:
-        a copy of one factor, not of the whole SVD (:meth:`_basis` puts the three together at the sync)."""
+        The frozen factor already is Vᵀ (A-workers) or U (B-workers), so only the other singular vectors and σ
+        are kept: a copy of one factor, not of the whole SVD (:meth:`_basis` puts the three together at the
+        sync). Every worker then holds the same U, σ and Vᵀ bit for bit, so every merge gives the same W."""
         if self.cfg.split == "tangent":
-            self._bases = {fp.name: ((fp.A if self._trained_role() == "A" else fp.B).detach().clone(),
-                                     s.S[:fp.rank].clone())
+            a_role = self._trained_role() == "A"
+            self._bases = {fp.name: ((s.U[:, :fp.rank] if a_role else s.Vh[:fp.rank]).clone(), s.S[:fp.rank].clone())
                            for fp, s in zip(records, svds) if fp.mode == "lowrank"}
 
     def _basis(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
-        """The SVD the layer's phase started from, (U, σ, Vᵀ), from the trained factor's start and the frozen factor
-        (copied: the sync overwrites the factors before the merge reads the basis)."""
-        start, sigma = self._bases[fp.name]
-        # σ = 0 (a rank-deficient W) leaves a zero column in U·σ: U's column is then 0 too, harmless in the merge
-        inverse = torch.where(sigma > 0, 1 / sigma, torch.zeros_like(sigma))
+        """The SVD the layer's phase started from, (U, σ, Vᵀ), from the kept singular vectors and the frozen
+        factor (copied: the sync overwrites the factors before the merge reads the basis)."""
+        vectors, sigma = self._bases[fp.name]
         if self._trained_role() == "A":
-            return lowrank.SVD(start * inverse, sigma, fp.B.detach().clone())
-        return lowrank.SVD(fp.A.detach().clone(), sigma, inverse[:, None] * start)
+            return lowrank.SVD(vectors, sigma, fp.B.detach().clone())
+        return lowrank.SVD(fp.A.detach().clone(), sigma, vectors)
 
     def _svd(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
         """W's SVD: updated from the parts the sync left (svd="update") where they hold and check out, else full.
@@ -367,7 +368,9 @@ class ABTraining(Method):
                                                       for fp in self.records},
                            "compression_ratio": self.ratio,
                            "model_params": lowrank.ab_param_count(self.module, self.records)})
-        if truncate and self._losses:
+        fell = len(self.ranks) > 1 and any((r or 0) < (self.ranks[-2]["layers"].get(name) or 0)
+                                           for name, r in self.ranks[-1]["layers"].items())
+        if truncate and fell and self._losses:  # a loss that rises after a cut that dropped nothing is not the cut's
             self._cut = (self.t, sum(self._losses) / len(self._losses))
             self._losses.clear()
         # The per-layer lines when they change (the first decomposition, a new rank); else one line, once, until
@@ -415,6 +418,7 @@ class ABTraining(Method):
     def _sync(self, optimizer: torch.optim.Optimizer, last: bool = False) -> None:
         """Average the groups into one model; ``last``: no sync follows in this run."""
         start = time.perf_counter()
+        self.syncs += 1
         low = [fp for fp in self.records if fp.mode == "lowrank"]
         if self.cfg.optimizer_state == "map":
             self._frozen = {fp.name: (fp.B if self._trained_role() == "A" else fp.A).detach().clone() for fp in low}
@@ -531,15 +535,16 @@ class ABTraining(Method):
             "svd_seconds": self.svd_seconds,
             "svd_counts": dict(self.svd_counts),
             "sync_seconds": self.sync_seconds,
+            "syncs": self.syncs,
             "role": self.role,
         }
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
         return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
-                "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
+                "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds, "syncs": self.syncs,
                 "svd_counts": dict(self.svd_counts), "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
-                "starts": dict(self._bases),
+                "vectors": dict(self._bases),
                 "sync_compressor": self._compressor.state_dict() if self._compressor is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -555,15 +560,15 @@ class ABTraining(Method):
             self._stop_output_search()  # the output layer was looked for before the checkpoint
         self.svd_seconds = state["svd_seconds"]
         self.sync_seconds = state["sync_seconds"]
+        self.syncs = int(state.get("syncs", 0))
         self.svd_counts = dict(state.get("svd_counts", {"full": 0, "updated": 0}))
         self.ratio = state["ratio"]
         self.dense.load_state_dict(state["dense"])
         self._frozen = dict(state.get("frozen", {}))
-        self._bases = {name: tuple(b) for name, b in state.get("starts", {}).items()}
+        self._bases = {name: tuple(b) for name, b in state.get("vectors", {}).items()}
         if state.get("bases"):  # an earlier layout: the whole SVD of each layer
-            role = self._trained_role()
-            self._bases = {name: (u * s if role == "A" else s[:, None] * vh, s)
-                           for name, (u, s, vh) in state["bases"].items()}
+            a_role = self._trained_role() == "A"
+            self._bases = {name: (u if a_role else vh, s) for name, (u, s, vh) in state["bases"].items()}
         if self._compressor is not None and state.get("sync_compressor") is not None:
             if "errors" not in state["sync_compressor"]:
                 raise ValueError("checkpoint holds the low-rank sync's memories in an earlier layout; "

@@ -82,9 +82,17 @@ class Schedule:
         return any(self.phase_at(s) == "ab" for s in range(start, min(self.total, start + self.cycle)))
 
     def syncs(self) -> int:
-        """Syncs in the whole run (needs ``total``)."""
+        """Syncs in the whole run (needs ``total``): the scheduled ones, the one after the last step included,
+        and the last sync that ends a run inside an AB phase (every worker leaves with one model)."""
         assert self.total is not None
-        return sum(self.events(t)[0] for t in range(max(1, self.warmup + 1), self.total))
+        scheduled = sum(self.events(t)[0] for t in range(max(1, self.warmup + 1), self.total + 1))
+        ends_apart = self.total > 0 and self.phase_at(self.total - 1) == "ab" and not self.events(self.total)[0]
+        return scheduled + (1 if ends_apart and self.total > self.warmup else 0)
+
+    def decomposes_at(self, t: int) -> bool:
+        """Whether a decomposition follows step ``t``: not after the run's last step, where nothing would train
+        the factors and the cut would only drop what the last sync merged."""
+        return self.events(t)[1] and (self.total is None or t < self.total)
 
     def ranges(self, steps: int) -> list[dict[str, Any]]:
         """Step ranges [start, end) of each phase over the first ``steps`` steps."""
