@@ -131,11 +131,12 @@ def test_one_model_after_finalize(runs, name):
 def test_none_never_communicates_while_training(runs):
     s = runs[0]["none"]["summary"]
     assert set(s["by_phase"]) == {"setup", "eval"}
-    # No buffer averaging at evaluation either: 7 float64 totals per evaluation, one peak-RSS max,
+    # No buffer averaging at evaluation either: 7 float64 totals per evaluation, one max of peak RSS and
+    # training state,
     # then the results' averaging over workers: an all-gather of 3 totals, a 2-int64 key check
     # (both new ledger rows) and 5 numbers per row that existed before them.
     rows_before = len(s["rows"]) - 2
-    assert s["by_phase"]["eval"]["payload_bytes"] == (runs[0]["none"]["evals"] * 7 * 8 + 8
+    assert s["by_phase"]["eval"]["payload_bytes"] == (runs[0]["none"]["evals"] * 7 * 8 + 2 * 8
                                                       + 3 * 8 + 2 * 8 + 5 * 8 * rows_before)
     assert _max_diff(runs[0]["none"]["state"], runs[1]["none"]["state"]) > 0  # the workers drifted apart
 

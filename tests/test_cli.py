@@ -188,7 +188,8 @@ def test_example_runs_under_torchrun():
 
 FLAGS = {
     "--config", "--method", "--workers", "--model", "--dataset", "--data-dir", "--epochs", "--steps", "--batch-size",
-    "--lr", "--optimizer", "--momentum", "--weight-decay", "--lr-schedule", "--warmup-lr-steps", "--label-smoothing",
+    "--lr", "--optimizer", "--momentum", "--weight-decay", "--weight-decay-all", "--no-weight-decay-all",
+    "--lr-schedule", "--warmup-lr-steps", "--warmup-lr-fraction", "--label-smoothing",
     "--grad-clip", "--seed", "--out", "--eval-every", "--log-every", "--group-size", "--backend", "--device",
     "--threads", "--bucket-cap-mb", "--block-size", "--limit-train", "--limit-test", "--timeout", "--ledger",
     "--no-ledger", "--checkpoint-every", "--stop-after", "--max-restarts", "--resume",
@@ -200,7 +201,7 @@ FLAGS = {
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-dense-start-steps", "--ab-powersgd-rank",
     "--ab-powersgd-dtype",
     "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank", "--ab-sync-flush", "--no-ab-sync-flush",
-    "--ab-tangent-core", "--ab-svd",
+    "--ab-tangent-core", "--ab-svd", "--ab-rank-cap", "--ab-sync-moments", "--no-ab-sync-moments",
     "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",

@@ -113,6 +113,11 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
                 "global_reduction_vs_ddp": _ratio(ddp["comm"]["by_scope"]["global"]["wire_bytes"], g) if ddp else None,
                 "total_reduction_vs_ddp": _ratio(ddp["comm"]["wire_bytes"], total) if ddp else None,
                 "compression_ratio": r.get("compression_ratio"),
+                "model_params": r.get("model_params", r["params"]),
+                "training_state_bytes": r.get("training_state_bytes"),
+                "state_vs_ddp": (r["training_state_bytes"] / r["ddp_equivalent"]["training_state_bytes"]
+                                 if r.get("training_state_bytes") and
+                                 r.get("ddp_equivalent", {}).get("training_state_bytes") else None),
                 "wall_seconds": r["wall_seconds"],
                 "wall_vs_none": _ratio(r["wall_seconds"], none["wall_seconds"]) if none else None,
                 "time_to_ddp_metric": reached,
@@ -170,6 +175,14 @@ def _fmt(value: float | None, spec: str, suffix: str = "", missing: str = "–")
     return format(value, spec) + suffix
 
 
+def _state(row: dict[str, Any]) -> str:
+    """Training state and its multiple of DDP's, for a table cell."""
+    if not row.get("training_state_bytes"):
+        return "–"
+    ratio = f" ({row['state_vs_ddp']:.2f}×)" if row.get("state_vs_ddp") else ""
+    return human_bytes(row["training_state_bytes"]) + ratio
+
+
 def _reduction(x: float | None) -> str:
     if x is None:
         return "–"
@@ -203,12 +216,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("- **interrupted**: methods after the interruption did not run")
     lines += ["", "## Results", "",
               f"| method | {metric_name} | global wire | total wire | global vs DDP | total vs DDP | compression | "
-              f"wall | × none | time to DDP's {'perplexity' if ppl else 'accuracy'} | peak RSS | Pareto |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
+              f"training state | wall | × none | time to DDP's {'perplexity' if ppl else 'accuracy'} | peak RSS | "
+              "Pareto |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
     failed = []
     for r in report["methods"]:
         if r["status"] != "complete":
-            lines.append(f"| {r['method']} | **{r['status']}** |" + " |" * 10)
+            lines.append(f"| {r['method']} | **{r['status']}** |" + " |" * 11)
             failed.append(r)
             continue
         metric = _fmt(r["metric"], ".2f") if ppl else _fmt(r["metric"] * 100 if r["metric"] is not None else None,
@@ -219,12 +233,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['method']} | {metric} | {human_bytes(r['global_wire_bytes'])} | {human_bytes(r['wire_bytes'])} | "
             f"{_reduction(r['global_reduction_vs_ddp'])} | {_reduction(r['total_reduction_vs_ddp'])} | {comp} | "
-            f"{r['wall_seconds']:.1f} s | {_fmt(r['wall_vs_none'], '.2f', '×')} | {reached} | "
+            f"{_state(r)} | {r['wall_seconds']:.1f} s | {_fmt(r['wall_vs_none'], '.2f', '×')} | {reached} | "
             f"{human_bytes(r['peak_rss_bytes'])} | {'★' if r['pareto'] else ''} |")
     lines += ["",
               f"★ Pareto front of ({metric_name} {'↓' if ppl else '↑'}, global wire bytes ↓): "
               f"{', '.join(report['pareto_front']) or '–'}. "
-              "\"vs DDP\": DDP's bytes divided by the method's (× less). \"× none\": wall time relative to `none`, "
+              "\"vs DDP\": DDP's bytes divided by the method's (× less). \"training state\": the most a worker held "
+              "after a step (parameters, gradients, optimizer and method state), as a multiple of DDP's for the same "
+              "model. \"× none\": wall time relative to `none`, "
               "where every worker trains alone (the compute floor; it evaluates each worker's own model). "
               "\"time to DDP's …\": wall seconds at the first evaluation as good as DDP's final value."]
     for r in failed:
