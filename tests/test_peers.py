@@ -218,13 +218,14 @@ def _world(fashion_dir, root):
              "streaming": ("streaming-diloco", {"h": 4, "fragments": 2, "overlap": 0, "block": 16}, True),
              "streaming-overlap": ("streaming-diloco", {"h": 4, "fragments": 2, "overlap": 1, "block": 16}, True),
              "diloco": ("diloco", {"h": 3}, True),
-             "streaming-as-diloco": ("streaming-diloco", {"h": 3, "fragments": 1, "overlap": 0, "quantize": "fp32"}, True)}
+             "streaming-as-diloco": ("streaming-diloco", {"h": 3, "fragments": 1, "overlap": 0, "quantize": "fp32"},
+                                     True)}
     for case, (name, options, adam) in cases.items():
         comm = Communicator(Ledger(), topo.device)
         method = build_method(name, comm, topo, **options)
         snapshots = _train(method, _model(), STEPS, seed=10 + topo.rank, adam=adam)
         out[case] = {"snapshots": snapshots, "extra": method.extra_results(),
-                     "global": torch.cat([g.reshape(-1) for g in getattr(method, "global_params", [])] or [torch.zeros(0)]),
+                     "global": torch.cat([g.reshape(-1) for g in getattr(method, "global_params", [torch.zeros(0)])]),
                      "final": torch.cat([p.detach().reshape(-1) for p in method.module.parameters()])}
     for name, (options, extra, stop) in RESUME.items():
         states = []

@@ -66,8 +66,10 @@ class StreamingDiLoCoConfig(Options):
 
     def check(self) -> None:
         self.require("h", self.h >= 1, "a positive integer")
-        self.require("fragments", 1 <= self.fragments <= self.h, f"in [1, H = {self.h}] (one fragment per step at most)")
-        self.require("overlap", 0 <= self.overlap < self.h, f"in [0, H) = [0, {self.h}) (merged before the fragment's next exchange)")
+        self.require("fragments", 1 <= self.fragments <= self.h,
+                     f"in [1, H = {self.h}] (one fragment per step at most)")
+        self.require("overlap", 0 <= self.overlap < self.h,
+                     f"in [0, H) = [0, {self.h}) (merged before the fragment's next exchange)")
         self.require("alpha", 0 <= self.alpha < 1, "in [0, 1)")
         self.require("outer_lr", self.outer_lr > 0, "> 0")
         self.require("outer_momentum", 0 <= self.outer_momentum < 1, "in [0, 1)")
@@ -97,7 +99,8 @@ def fragments_of(model: nn.Module, count: int) -> list[list[int]]:
 
 
 def e3m0_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat ``x`` (numel a multiple of ``block``) as (uint8 codes, two per byte, first in the high nibble; float32 scales)."""
+    """Flat ``x`` (numel a multiple of ``block``) as (uint8 codes two to a byte, the first in the high nibble;
+    float32 scales, one per block)."""
     blocks = x.view(-1, block)
     scales = blocks.abs().amax(dim=1)
     ratio = blocks.abs() / scales.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
@@ -168,7 +171,7 @@ class StreamingDiLoCo(Method):
 
     @torch.no_grad()
     def _exchange(self, frags: list[int], merge_at: int) -> None:
-        """One exchange of the outer gradients of ``frags``, their outer steps, then their merge now or at ``merge_at``."""
+        """One exchange of the outer gradients of ``frags``, their outer steps, their merge now or at ``merge_at``."""
         params = self._params()
         ids = [i for f in frags for i in self.fragments[f]]
         pseudo = torch.cat([(self.global_params[i] - params[i].detach()).reshape(-1).float() for i in ids])
@@ -187,7 +190,7 @@ class StreamingDiLoCo(Method):
 
     @torch.no_grad()
     def _merge(self, f: int, alpha: float | None = None) -> None:
-        """local = alpha * local + (1 - alpha) * global for fragment ``f`` (the paper's mixing; alpha 0: take global)."""
+        """``local = alpha * local + (1 - alpha) * global`` for fragment ``f`` (alpha 0: take the global one)."""
         a = self.cfg.alpha if alpha is None else alpha
         params = self._params()
         for i in self.fragments[f]:
@@ -227,7 +230,7 @@ class StreamingDiLoCo(Method):
         return True  # the trainer evaluates the global model (see evaluation()), the same on every worker
 
     def agree(self) -> None:
-        """Merge what is pending now, then one exchange of every fragment not in agreement, each taking the global model."""
+        """Merge what is pending now, then one exchange of every fragment not in agreement; all take the global model."""
         for f, due in enumerate(self.pending):
             if due is not None and self.last_sent[f] != self.t:
                 self._merge(f)
@@ -251,8 +254,8 @@ class StreamingDiLoCo(Method):
         return [sum(self.global_params[i].numel() for i in ids) for ids in self.fragments]
 
     def extra_results(self) -> dict[str, Any]:
-        return {"streaming_diloco": {**asdict(self.cfg), "offsets": self.offsets, "fragment_numels": self.fragment_numels,
-                                     "outer_steps": self.exchanges}}
+        return {"streaming_diloco": {**asdict(self.cfg), "offsets": self.offsets,
+                                     "fragment_numels": self.fragment_numels, "outer_steps": self.exchanges}}
 
     def state_dict(self) -> dict[str, Any]:
         return {"t": self.t, "exchanges": list(self.exchanges), "last_sent": list(self.last_sent),
