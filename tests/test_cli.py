@@ -206,7 +206,9 @@ FLAGS = {
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",
     "--powersgd-seed", "--powersgd-dtype", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",
-    "--hlocalsgd-h",
+    "--hlocalsgd-h", "--streaming-diloco-h", "--streaming-diloco-fragments", "--streaming-diloco-overlap",
+    "--streaming-diloco-alpha", "--streaming-diloco-outer-lr", "--streaming-diloco-outer-momentum",
+    "--streaming-diloco-quantize", "--streaming-diloco-block", "--demo-topk", "--demo-chunk", "--demo-decay",
 }
 
 

@@ -9,7 +9,7 @@ import torch
 from abtrain import checkpoint as ckpt
 from abtrain.comm import CollectiveError, Communicator
 from abtrain.config import TrainConfig
-from abtrain.methods import METHODS, ABConfig
+from abtrain.methods import METHODS, ABConfig, StreamingDiLoCoConfig
 from abtrain.topology import Topology
 from abtrain.train import Trainer
 from helpers import run_world
@@ -49,7 +49,8 @@ def _clipped(method, run_dir):
     # AB-training stays in its full-rank warm-up here: a truncation would move the weights by itself.
     cfg = TrainConfig(method=method, model="mlp", dataset="synthetic", steps=3, batch_size=32, log_every=100,
                       lr=0.05, weight_decay=0.0, grad_clip=1e-4, group_size=1 if method == "ab" else None,
-                      ab=ABConfig(warmup_steps=10))
+                      ab=ABConfig(warmup_steps=10), streaming_diloco=StreamingDiLoCoConfig(fragments=2),
+                      momentum=0.0 if method == "demo" else 0.9)
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=cfg.group_size)
     trainer = Trainer(cfg, topo, os.path.join(run_dir, method))
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -66,7 +67,12 @@ def test_gradient_clipping_bounds_every_methods_update(tmp_path):
     changes = run_world(_all_methods, 2, str(tmp_path))[0]
     # Unclipped, one step moves these weights by ~1e-2; clipped to 1e-4 with lr 0.05, three steps
     # (momentum included, DiLoCo's outer step on top) stay far below 1e-4.
+    # DeMo is the exception, by design: the clipped gradient enters its momentum, but its step is
+    # lr * sign(...), every element moving by lr whatever the gradient's norm.
     for method, change in changes.items():
+        if method == "demo":
+            assert change > 1e-4, change
+            continue
         assert 0 < change < 1e-4, (method, change)
 
 

@@ -34,8 +34,8 @@ def _abtrain(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
 
 
 def test_the_builtin_methods_are_registered_in_their_files():
-    assert registry.names() == ["ddp", "ab", "ddp-bf16", "powersgd", "localsgd", "diloco", "ef21", "onebit",
-                                "hlocalsgd", "none"]
+    assert registry.names() == ["ddp", "ab", "ddp-bf16", "powersgd", "localsgd", "diloco", "streaming-diloco",
+                                "ef21", "onebit", "demo", "hlocalsgd", "none"]
     for spec in registry.specs():
         assert spec.build.__module__ == f"abtrain.methods.{spec.build.__module__.rsplit('.', 1)[1]}"
         assert spec.options is None or issubclass(spec.options, Options)

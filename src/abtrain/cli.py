@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train, config_fields(), TrainConfig())
     for spec in registry.with_options():
         group = train.add_argument_group(f"{spec.title} (--method {spec.name})", spec.help)
-        _add_config_flags(group, section_fields(spec.name), SECTIONS[spec.name](), prefix=spec.name + "-")
+        _add_config_flags(group, section_fields(spec.section), SECTIONS[spec.section](), prefix=spec.name + "-")
     _add_bench_parser(sub)
     _add_data_parser(sub)
     return parser

@@ -24,7 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 # The methods' option sections (TrainConfig field, flags ``--<name>-<option>``, TOML table ``[<name>]``)
 # come from the method registry: one field per method that declares an options dataclass.
-SECTIONS: dict[str, type] = {spec.name: spec.options for spec in registry.with_options()}  # type: ignore[misc]
+SECTIONS: dict[str, type] = {spec.section: spec.options for spec in registry.with_options()}  # type: ignore[misc]
 
 
 #: Counts above this are typos (``--steps 99999999999999999999``), refused before they overflow anything.
@@ -124,7 +124,8 @@ class TrainConfig:
 
     def options(self) -> Any:
         """The options section of ``self.method`` (None for a method without options)."""
-        return getattr(self, self.method, None) if self.method in SECTIONS else None
+        section = registry.get(self.method).section
+        return getattr(self, section, None) if section in SECTIONS else None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
@@ -149,8 +150,8 @@ class TrainConfig:
 
 for _spec in registry.with_options():
     # ``TrainConfig.<method>``: that method's options, as the ``--<method>-*`` flags and the ``[<method>]`` table.
-    TrainConfig.__annotations__[_spec.name] = _spec.options
-    setattr(TrainConfig, _spec.name, field(default_factory=_spec.options, metadata={
+    TrainConfig.__annotations__[_spec.section] = _spec.options
+    setattr(TrainConfig, _spec.section, field(default_factory=_spec.options, metadata={
         "help": f"{_spec.title} options (--{_spec.name}-*)", "section": True}))
 TrainConfig = dataclass(TrainConfig)  # type: ignore[misc]
 

@@ -111,7 +111,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Test loss and accuracy over the whole test split, each worker a disjoint part, reduced over all."""
-        with self.ledger.in_phase("eval"):
+        with self.ledger.in_phase("eval"), self.method.evaluation():
             self.method.sync_buffers()
             self.forward_module.eval()
             test = self.dataset.test

@@ -66,7 +66,7 @@ def opt(default: Any, help: str, **meta: Any) -> Any:
 class Options:
     """Base of a method's options dataclass (the flags ``--<section>-<name>``, the TOML table ``[<section>]``).
 
-    A subclass sets ``section`` (the method's name) and puts its value checks
+    A subclass sets ``section`` (the method's name, dashes as underscores: the flags keep the dashes) and puts its value checks
     in :meth:`check`; types and ``choices=`` are checked here first, so that a
     check can rely on them.
     """
@@ -74,7 +74,7 @@ class Options:
     section: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        check_types(self, f"--{self.section}-")
+        check_types(self, f"--{self.section.replace('_', '-')}-")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
@@ -87,7 +87,7 @@ class Options:
 
     def flag(self, name: str) -> str:
         """The command-line flag of option ``name``."""
-        return f"--{self.section}-{name.replace('_', '-')}"
+        return f"--{self.section.replace('_', '-')}-{name.replace('_', '-')}"
 
     def require(self, name: str, ok: bool, what: str) -> None:
         """Raise ``<flag> must be <what>, got <value>`` unless ``ok``."""

@@ -40,7 +40,8 @@ class Workload:
 
     def args_for(self, method: str) -> list[str]:
         """The full ``abtrain train`` flags of ``method`` on this workload (without --out)."""
-        return [*self.train_args, "--method", method, *self.method_args.get(method, [])]
+        own = registry.get(method).bench_args if method in registry.names() else ()
+        return [*self.train_args, "--method", method, *own, *self.method_args.get(method, [])]
 
 
 #: The authors' recipe (AdamW, weight decay 0.1, label smoothing 0.1, gradient clipping 1.0), for every method.

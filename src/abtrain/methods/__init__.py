@@ -22,6 +22,7 @@ registry.import_plugins()
 from .ab import ABConfig, ABTraining  # noqa: E402  (re-exports for the public API)
 from .bf16 import BF16DDPMethod  # noqa: E402
 from .ddp import DDPMethod  # noqa: E402
+from .demo import DeMo, DeMoConfig  # noqa: E402
 from .diloco import DiLoCo, DiLoCoConfig  # noqa: E402
 from .ef21 import EF21, EF21Config  # noqa: E402
 from .hlocalsgd import HLocalSGD, HLocalSGDConfig  # noqa: E402
@@ -29,6 +30,7 @@ from .localsgd import LocalSGD, LocalSGDConfig  # noqa: E402
 from .none import NoCommunication  # noqa: E402
 from .onebit import OneBit, OneBitConfig  # noqa: E402
 from .powersgd import PowerSGD, PowerSGDConfig  # noqa: E402
+from .streaming_diloco import StreamingDiLoCo, StreamingDiLoCoConfig  # noqa: E402
 
 
 class _Methods(Mapping[str, Callable[..., Method]]):
@@ -57,6 +59,7 @@ def build_method(name: str, comm: Communicator, topo: Topology, **options) -> Me
     return registry.get(name).build(comm, topo, **options)
 
 
-__all__ = ["ABConfig", "ABTraining", "BF16DDPMethod", "DDPMethod", "DiLoCo", "DiLoCoConfig", "EF21", "EF21Config",
-           "HLocalSGD", "HLocalSGDConfig", "LocalSGD", "LocalSGDConfig", "METHODS", "Method", "NoCommunication",
-           "OneBit", "OneBitConfig", "PowerSGD", "PowerSGDConfig", "build_method", "registry"]
+__all__ = ["ABConfig", "ABTraining", "BF16DDPMethod", "DDPMethod", "DeMo", "DeMoConfig", "DiLoCo", "DiLoCoConfig",
+           "EF21", "EF21Config", "HLocalSGD", "HLocalSGDConfig", "LocalSGD", "LocalSGDConfig", "METHODS", "Method",
+           "NoCommunication", "OneBit", "OneBitConfig", "PowerSGD", "PowerSGDConfig", "StreamingDiLoCo",
+           "StreamingDiLoCoConfig", "build_method", "registry"]

@@ -165,6 +165,15 @@ class Method:
         """Make the workers' models equal between two steps (called by :meth:`consensus` when they differ)."""
         raise NotImplementedError(f"method {self.name!r} cannot bring its workers to one model")
 
+    def evaluation(self) -> contextlib.AbstractContextManager[Any]:
+        """A block in which the module holds the model to evaluate (default: the worker's own, unchanged).
+
+        Local, it sends nothing. Streaming DiLoCo's workers never all hold one
+        model between two outer steps; it lends the module its global
+        parameters, the same on every worker, for the block's duration.
+        """
+        return contextlib.nullcontext(self)
+
     def ready_for_evaluation(self) -> bool:
         """The trainer evaluates when this is True (default: when the workers agree)."""
         return self.in_consensus()

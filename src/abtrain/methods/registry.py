@@ -32,8 +32,9 @@ class MethodSpec:
     ``options`` dataclass, ``bucket_cap_mb=`` when ``bucket_cap`` (it takes
     ``--bucket-cap-mb``). ``order`` places it in ``--method``'s list and in
     ``--help``; ``bench`` places it in ``abtrain bench``'s default list (None:
-    not run by default); ``short_run_args`` fit its schedule into the bench's
-    few-step ``tiny`` workload.
+    not run by default); ``bench_args`` are flags it adds on every bench workload
+    (after the workload's own, so they win: DeMo's plain SGD and its learning
+    rate); ``short_run_args`` fit its schedule into the bench's few-step ``tiny`` workload.
 
     Checks that run before any worker starts (``--help``'s flags are fixed by then):
     ``check_topology(options, world_size, group_size)`` refuses a group layout
@@ -52,18 +53,24 @@ class MethodSpec:
     bucket_cap: bool = False
     order: int = 500
     bench: int | None = None
+    bench_args: tuple[str, ...] = ()
     short_run_args: tuple[str, ...] = ()
     check_topology: Callable[[Any, int, int], None] | None = None
     check_run: Callable[[Any, nn.Module, int], None] | None = None
     group_layout: Callable[[Any, int, int], tuple[int, str | None]] | None = None
 
     def __post_init__(self) -> None:
-        if self.options is not None and not self.name.isidentifier():
-            raise ValueError(f"method {self.name!r} has options, so its name must be a Python identifier "
-                             f"(it names the config section TrainConfig.{self.name})")
-        if self.options is not None and self.options.section != self.name:
+        if self.options is not None and not self.section.isidentifier():
+            raise ValueError(f"method {self.name!r} has options, so its name (dashes read as underscores) must be "
+                             f"a Python identifier (it names the config section TrainConfig.{self.section})")
+        if self.options is not None and self.options.section != self.section:
             raise ValueError(f"method {self.name!r}: its options class {self.options.__name__} has section "
                              f"{self.options.section!r}; they must be the same name")
+
+    @property
+    def section(self) -> str:
+        """The method's config section: its name with dashes as underscores (flags keep the dashes)."""
+        return self.name.replace("-", "_")
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

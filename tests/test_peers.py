@@ -1,0 +1,319 @@
+"""streaming-diloco and demo: their math in one process, exact byte counts, one model on a real gloo world, resume.
+
+One spawned world of 4 workers in groups of 2 runs every multi-process case in turn.
+"""
+
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from abtrain.comm import Communicator, Ledger, wire_bytes
+from abtrain.config import TrainConfig
+from abtrain.methods import build_method
+from abtrain.methods.demo import ChunkedDCT, DeMoConfig, chunk_length, dct_matrix, extract, scatter_mean
+from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, e3m0_decode, e3m0_encode, fragments_of
+from abtrain.topology import Topology
+from helpers import run_world
+
+
+def _model():
+    torch.manual_seed(0)
+    # 4 modules with parameters, 8 tensors.
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 10), nn.LayerNorm(10), nn.Linear(10, 5))
+
+
+def _train(method, model, steps, seed=0, adam=False):
+    forward = method.prepare(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    snapshots = []
+    with method.attach(opt):
+        for _ in range(steps):
+            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+            loss = nn.functional.cross_entropy(forward(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    return snapshots
+
+
+# -- single process: DeMo's transform and extraction ---------------------------------------------------------
+@pytest.mark.parametrize("n, target, c", [(128, 64, 64), (75, 64, 25), (10, 64, 10), (97, 64, 1), (784, 64, 56)])
+def test_chunks_are_the_largest_divisor_not_above_the_target(n, target, c):
+    assert chunk_length(n, target) == c
+
+
+def test_dct_is_orthonormal():
+    for n in (1, 5, 64):
+        c = dct_matrix(n)
+        assert torch.allclose(c @ c.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(128, 3, 5, 5), (24, 6), (130,), (5,)])
+def test_compression_round_trips_what_it_keeps(shape):
+    """IDCT of the kept components transforms back to exactly them; residual + sent == momentum."""
+    transform = ChunkedDCT(torch.Size(shape), 64, dtype=torch.float64)
+    m = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(transform.decode(transform.encode(m)), m, atol=1e-12)
+    coef = transform.encode(m)
+    k = min(8, transform.elements)
+    values, index = extract(coef, k)
+    kept = torch.zeros_like(coef).scatter_(-1, index, values)
+    sent = transform.decode(kept)
+    again = transform.encode(sent)
+    assert torch.allclose(again, kept, atol=1e-12)  # the kept components, and nothing else
+    mask = torch.zeros_like(coef, dtype=torch.bool).scatter_(-1, index, True)
+    dropped = coef.masked_fill(mask, 0).abs().amax(-1)
+    assert bool((dropped <= values.abs().amin(-1)).all())  # top-k by magnitude, per chunk
+    assert torch.allclose((m - sent) + sent, m, atol=1e-12)
+    assert torch.allclose(transform.encode(m - sent), coef.masked_fill(mask, 0), atol=1e-12)  # the residual stays
+
+
+def test_scatter_mean_averages_over_the_workers_that_sent_an_entry():
+    v = [torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 5.0]])]
+    i = [torch.tensor([[0, 1]]), torch.tensor([[1, 3]])]
+    assert scatter_mean(v, i, 1, 4).tolist() == [[1.0, 2.5, 0.0, 5.0]]
+
+
+def test_demo_momentum_keeps_what_is_not_sent():
+    method = build_method("demo", Communicator(), Topology(), topk=3, decay=0.9)
+    model = _model()
+    method.prepare(model)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in method.params]
+        before = [0.9 * m + g for m, g in zip(method.momentum, grads)]
+        update = method.exchange(grads)
+        for b, m, u, t, k in zip(before, method.momentum, update, method.transforms, method.ks):
+            sent = b - m
+            assert int((t.encode(sent).abs() > 1e-5).sum()) <= t.chunks * k  # k components per chunk left
+            # One worker: the update is the sign of what it sent.
+            clear = sent.abs() > 1e-6
+            assert torch.equal(u[clear], sent.sign()[clear])
+            assert set(u.unique().tolist()) <= {-1.0, 0.0, 1.0}
+
+
+def test_demo_refuses_an_optimizer_with_momentum():
+    method = build_method("demo", Communicator(), Topology())
+    model = method.prepare(_model())
+    with pytest.raises(ValueError, match="--optimizer sgd --momentum 0"):
+        method.attach(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+# -- single process: Streaming DiLoCo's pieces -----------------------------------------------------------------
+def test_e3m0_holds_powers_of_two_of_the_block_scale():
+    x = torch.tensor([1.0, -0.5, 0.25, -2 ** -6, 0.0, 2 ** -8, 0.7, -0.3])
+    codes, scales = e3m0_encode(x, 8)
+    assert codes.dtype == torch.uint8 and codes.numel() == 4 and scales.tolist() == [1.0]
+    assert e3m0_decode(codes, scales, 8).tolist() == [1.0, -0.5, 0.25, -2 ** -6, 0.0, 0.0, 0.5, -0.25]
+    y = torch.randn(512, generator=torch.Generator().manual_seed(3))
+    codes, scales = e3m0_encode(y, 256)
+    back = e3m0_decode(codes, scales, 256)
+    big = y.abs() > scales.repeat_interleave(256) / 64
+    assert torch.equal(back.sign()[big], y.sign()[big])
+    assert bool(((back[big] / y[big]).log2().abs() <= 0.5 + 1e-6).all())  # rounded in log2
+
+
+def test_fragments_are_strided_over_modules():
+    assert fragments_of(_model(), 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]  # modules 0, 2 | 1, 3
+    with pytest.raises(ValueError, match="--streaming-diloco-fragments 5: the model has 4 modules"):
+        fragments_of(_model(), 5)
+
+
+# -- exact counts against a communicator that records what a world of 4 would send --------------------------
+class _Recording(Communicator):
+    """One worker of a world whose peers send exactly what this one sends."""
+
+    def all_reduce(self, tensor, group, op="sum", average=False):
+        self.ledger.record("all_reduce", group, tensor, 0.0)
+        return tensor
+
+    def broadcast(self, tensor, group, src=0):
+        self.ledger.record("broadcast", group, tensor, 0.0)
+        return tensor
+
+    def all_gather(self, tensor, group):
+        self.ledger.record("all_gather", group, tensor, 0.0)
+        return [tensor.clone() for _ in range(group.size)]
+
+    def all_to_all(self, tensor, group):
+        self.ledger.record("all_to_all", group, tensor, 0.0)
+        return tensor.view(group.size, -1)[0].repeat(group.size)
+
+
+def _rows(comm, phase):
+    return {r["op"]: r for r in comm.ledger.summary()["rows"] if r["phase"] == phase}
+
+
+def test_demo_bytes_equal_the_formula():
+    p, steps = 4, 5
+    comm = _Recording(Ledger())
+    method = build_method("demo", comm, Topology(rank=0, world_size=p, group_size=2), topk=4, chunk=8)
+    _train(method, _model(), steps)
+    # Linear(6,16): 16x6, chunks 8x6, 2 chunks; bias 16: 2 chunks of 8; Linear(16,10): 10x16, 5x8 chunks, 4;
+    # bias 10: 2 of 5; LayerNorm 10 + 10: 2 + 2 of 5; Linear(10,5): 5x10, 5x5 chunks, 2; bias 5: 1 of 5.
+    k = 2 * 4 + 2 * 4 + 4 * 4 + 2 * 4 + 4 * 4 + 2 * 4 + 1 * 4
+    assert method.components == k
+    row = _rows(comm, "train")["all_gather"]
+    assert (row["calls"], row["payload_bytes"], row["dtype"]) == (steps, steps * 6 * k, "uint8")
+    assert row["wire_bytes"] == steps * (p - 1) * 6 * k
+    assert method.extra_results()["demo"]["message_bytes"] == 6 * k
+
+
+@pytest.mark.parametrize("quantize", ["e3m0", "fp32"])
+def test_streaming_diloco_bytes_equal_the_formula(quantize):
+    p, h, steps = 4, 4, 9
+    comm = _Recording(Ledger())
+    method = build_method("streaming-diloco", comm, Topology(rank=0, world_size=p, group_size=2), h=h, fragments=2,
+                          overlap=1, quantize=quantize, block=16)
+    _train(method, _model(), steps, adam=True)
+    sizes = method.fragment_numels
+    assert method.offsets == [0, 2] and sizes == [6 * 16 + 16 + 10 + 10, 16 * 10 + 10 + 10 * 5 + 5]
+    # Fragment 1 meets at steps 2, 6; fragment 0 at 4, 8; leaving attach() exchanges both at once (step 9).
+    assert method.exchanges == [3, 3]
+    sends = [sizes[1], sizes[0], sizes[1], sizes[0], sizes[0] + sizes[1]]
+    rows = _rows(comm, "outer")
+    if quantize == "fp32":
+        assert set(rows) == {"all_reduce"}
+        assert rows["all_reduce"]["payload_bytes"] == 4 * sum(sends)
+        assert rows["all_reduce"]["wire_bytes"] == pytest.approx(sum(wire_bytes("all_reduce", 4 * n, p) for n in sends))
+        return
+    messages = []
+    for n in sends:
+        length = math.ceil(n / (p * 16)) * 16
+        messages.append(length // 2 + 4 * length // 16)
+    assert set(rows) == {"all_to_all", "all_gather"} and {r["dtype"] for r in rows.values()} == {"uint8"}
+    assert rows["all_to_all"]["calls"] == rows["all_gather"]["calls"] == len(sends)
+    assert rows["all_to_all"]["payload_bytes"] == sum(p * m for m in messages)
+    assert rows["all_to_all"]["wire_bytes"] == pytest.approx(sum((p - 1) * m for m in messages))
+    assert rows["all_gather"]["payload_bytes"] == sum(messages)
+    assert rows["all_gather"]["wire_bytes"] == sum((p - 1) * m for m in messages)
+
+
+# -- real gloo worlds -----------------------------------------------------------------------------------------
+STEPS = 9
+RESUME = {"demo": ({"demo": DeMoConfig(topk=4, chunk=16)}, {"optimizer": "sgd", "momentum": 0.0, "lr": 3e-3}, 5),
+          # stopped at step 4: fragment 0's exchange there is merged at step 5, after the restart
+          "streaming-diloco": ({"streaming_diloco": StreamingDiLoCoConfig(h=4, fragments=2, overlap=1, block=64)},
+                               {"optimizer": "adamw", "lr": 1e-3}, 4)}
+
+
+def _trainer_cfg(fashion_dir, method, options, extra, **kw):
+    return TrainConfig(method=method, model="mlp", dataset="fashion-mnist", data_dir=str(fashion_dir), steps=10,
+                       batch_size=16, eval_every=3, limit_test=64, log_every=100, seed=5, group_size=2,
+                       checkpoint_every=4, **options, **extra, **kw)
+
+
+def _world(fashion_dir, root):
+    from abtrain.train import Trainer
+
+    topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
+    out = {}
+    cases = {"demo": ("demo", {"topk": 4, "chunk": 8}, False),
+             "streaming": ("streaming-diloco", {"h": 4, "fragments": 2, "overlap": 0, "block": 16}, True),
+             "streaming-overlap": ("streaming-diloco", {"h": 4, "fragments": 2, "overlap": 1, "block": 16}, True),
+             "diloco": ("diloco", {"h": 3}, True),
+             "streaming-as-diloco": ("streaming-diloco", {"h": 3, "fragments": 1, "overlap": 0, "quantize": "fp32"},
+                                     True)}
+    for case, (name, options, adam) in cases.items():
+        comm = Communicator(Ledger(), topo.device)
+        method = build_method(name, comm, topo, **options)
+        snapshots = _train(method, _model(), STEPS, seed=10 + topo.rank, adam=adam)
+        out[case] = {"snapshots": snapshots, "extra": method.extra_results(),
+                     "global": torch.cat([g.reshape(-1) for g in getattr(method, "global_params", [torch.zeros(0)])]),
+                     "final": torch.cat([p.detach().reshape(-1) for p in method.module.parameters()])}
+    for name, (options, extra, stop) in RESUME.items():
+        states = []
+        for label, kw, resume in (("ref", {}, False), ("stop", {"stop_after": stop}, False), ("stop", {}, True)):
+            trainer = Trainer(_trainer_cfg(fashion_dir, name, options, extra, **kw), topo,
+                              os.path.join(root, f"{name}-{label}"), resume=resume)
+            trainer.run()
+            states.append({"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+                           "history": [{k: v for k, v in r.items() if k != "wall_seconds"} for r in trainer.history],
+                           "ledger": trainer.ledger.summary()["wire_bytes"], "step": trainer.step})
+        out[f"resume-{name}"] = {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
+    topo.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(fashion_dir):
+    with tempfile.TemporaryDirectory() as root:
+        return run_world(_world, 4, fashion_dir, root)
+
+
+def _fragment(snapshot, model, ids):
+    params = list(model.parameters())
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    return torch.cat([snapshot[offsets[i]:offsets[i + 1]] for i in ids])
+
+
+def test_demo_keeps_one_model_after_every_step(world):
+    for step in range(STEPS):
+        for rank in range(1, 4):
+            assert torch.equal(world[rank]["demo"]["snapshots"][step], world[0]["demo"]["snapshots"][step])
+    assert not torch.equal(world[0]["demo"]["snapshots"][0], world[0]["demo"]["snapshots"][-1])
+
+
+def test_streaming_diloco_workers_hold_one_fragment_after_its_outer_step(world):
+    model = _model()
+    frags = fragments_of(model, 2)
+    snaps = [w["streaming"]["snapshots"] for w in world]
+    for step, fragment in ((2, 1), (4, 0), (6, 1), (8, 0)):
+        ids = frags[fragment]
+        other = frags[1 - fragment]
+        for rank in range(1, 4):
+            assert torch.equal(_fragment(snaps[rank][step - 1], model, ids), _fragment(snaps[0][step - 1], model, ids))
+        assert not torch.equal(_fragment(snaps[2][step - 1], model, other), _fragment(snaps[0][step - 1], model, other))
+    for case in ("streaming", "streaming-overlap"):  # one global model everywhere; one model after detach
+        for rank in range(1, 4):
+            assert torch.equal(world[rank][case]["global"], world[0][case]["global"])
+            assert torch.equal(world[rank][case]["final"], world[0][case]["final"])
+        assert torch.equal(world[0][case]["final"], world[0][case]["global"])
+
+
+def test_streaming_diloco_overlap_merges_half_of_the_local_progress(world):
+    """With tau = 1 the fragment exchanged at step 2 differs between workers until merged at step 3, and stays so."""
+    model = _model()
+    ids = fragments_of(model, 2)[1]
+    snaps = [w["streaming-overlap"]["snapshots"] for w in world]
+    assert not torch.equal(_fragment(snaps[0][1], model, ids), _fragment(snaps[2][1], model, ids))
+    assert not torch.equal(_fragment(snaps[0][2], model, ids), _fragment(snaps[2][2], model, ids))
+
+
+def test_one_fragment_without_overlap_or_quantisation_is_diloco(world):
+    for rank_out in world:
+        for a, b in zip(rank_out["diloco"]["snapshots"], rank_out["streaming-as-diloco"]["snapshots"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_stopped_and_resumed_runs_equal_the_uninterrupted_run(world, name):
+    for rank_out in world:
+        result = rank_out[f"resume-{name}"]
+        assert result["stopped_at"] == RESUME[name][2] and result["resumed"]["step"] == result["ref"]["step"] == 10
+        for key, value in result["ref"]["state"].items():
+            assert torch.equal(result["resumed"]["state"][key], value), f"{name}: {key} differs after the resume"
+        assert result["resumed"]["history"] == result["ref"]["history"]
+        assert result["resumed"]["ledger"] == result["ref"]["ledger"]
+
+
+def test_available_from_setup_in_a_users_loop(monkeypatch):
+    import abtrain
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for name, options in (("demo", {"topk": 8}), ("streaming-diloco", {"h": 2, "fragments": 2})):
+        method = abtrain.setup(name, device="cpu", **options)
+        assert method.name == name and method.cfg == type(method.cfg)(**options)
+        _train(method, _model(), 3)
+        with method.consensus():
+            assert method.in_consensus()
+        method.close()
