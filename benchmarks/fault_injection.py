@@ -82,20 +82,26 @@ def env() -> dict[str, str]:
     return e
 
 
-def worker_pids(pid: int) -> list[int]:
-    """The launcher's spawned worker processes, from /proc."""
+def _children(pid: int) -> list[int]:
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The launcher's worker processes, from /proc: the children of its fork server (or spawned children)."""
     out = []
-    for child in children:
+    for child in _children(pid):
         try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                out.append(int(child))
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
-            pass
-    return out
+            continue
+        if b"forkserver" in cmdline:
+            out += _children(child)
+        elif b"spawn_main" in cmdline:
+            out.append(child)
+    return sorted(out)
 
 
 def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
