@@ -10,6 +10,12 @@ once without faults per method, then
 - ``--launcher-runs`` times a signal to the launcher (SIGINT, SIGTERM, SIGINT
   to the whole process group as Ctrl-C sends it, SIGKILL) at a random step,
   followed by ``abtrain train --resume``,
+- ``--double-ctrl-c`` times two Ctrl-C at a random step, then a resume,
+- ``--early-kills`` times SIGKILL to the launcher 0-100 ms after its first
+  worker is forked, and ``--early-signals`` times SIGTERM or SIGINT in the
+  command's first seconds (torch still importing, the preflight, the first
+  fork); no process of the run may be left, and the run, started again (or
+  resumed where a checkpoint was kept), must end bit-identical,
 
 and compares each run's final weights (RUN_DIR/model.pt) with the
 uninterrupted run's. Part 2 feeds bad input: invalid flags and values,
@@ -18,11 +24,17 @@ conflicting options, broken config files, corrupt datasets (in-process through
 and a subset through the real command: truncated, garbled, zeroed (same size),
 foreign and code-running checkpoints, edited config.json files, runs writing
 into the directory of a live run (concurrent writers) and a run on a full disk
-(a 2 MB tmpfs, when run as root). Each must end with one ``abtrain: error:``
-line, a documented exit code (2 for bad input, 4 for a full disk), no
-traceback and nothing already saved changed.
+(a 2 MB tmpfs, when run as root); links, FIFOs, sockets and wrong kinds of
+files at every run-directory path, data of every wrong shape, half-set
+launcher variables, nested and duplicated config keys, manifests without
+checksums (benchmarks/hostile_cases.py). Each must end with one
+``abtrain: error:`` line, a documented exit code (2 for bad input, 4 for a full
+disk), no traceback and nothing already saved changed, inside the run
+directory or outside it. A diverging run of each method must end as
+``diverged`` (exit 1), and a run whose directory is removed with exit 4.
 
     .venv/bin/python benchmarks/fault_injection.py [--runs 20] [--checkpoint-kills 4] [--launcher-runs 8]
+                                                   [--double-ctrl-c 4] [--early-kills 16] [--early-signals 8]
                                                    [--seed 0] [--json out.json]
 """
 
@@ -47,7 +59,9 @@ from pathlib import Path
 
 import torch
 
+import hostile_cases as hostile
 from abtrain.cli import main as cli_main
+from abtrain.config import SECTIONS, config_fields, section_fields
 
 ROOT = Path(__file__).resolve().parent.parent
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -68,20 +82,26 @@ def env() -> dict[str, str]:
     return e
 
 
-def worker_pids(pid: int) -> list[int]:
-    """The launcher's spawned worker processes, from /proc."""
+def _children(pid: int) -> list[int]:
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The launcher's worker processes, from /proc: the children of its fork server (or spawned children)."""
     out = []
-    for child in children:
+    for child in _children(pid):
         try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                out.append(int(child))
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
-            pass
-    return out
+            continue
+        if b"forkserver" in cmdline:
+            out += _children(child)
+        elif b"spawn_main" in cmdline:
+            out.append(child)
+    return sorted(out)
 
 
 def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
@@ -94,13 +114,17 @@ def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
     assert proc.stdout is not None
     for line in proc.stdout:
         if not sent and line.startswith(f"step {kill_step}/"):
-            if how == "SIGINT to the group":
+            if how == "double Ctrl-C":
+                os.killpg(proc.pid, signal.SIGINT)
+                os.killpg(proc.pid, signal.SIGINT)
+            elif how == "SIGINT to the group":
                 os.killpg(proc.pid, signal.SIGINT)
             else:
                 os.kill(proc.pid, getattr(signal, how))
             sent = True
     proc.wait()
     stderr = proc.stderr.read() if proc.stderr else ""
+    left = hostile.left_behind(proc.pid)
     status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
     expected = -9 if how == "SIGKILL" else 130
     one_line = how == "SIGKILL" or (len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr)
@@ -113,6 +137,7 @@ def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
     resumed = subprocess.run(ABTRAIN + ["train", "--resume", str(run_dir)], capture_output=True, text=True, env=env(),
                              timeout=300)
     return {"method": method, "signal": how, "kill_step": kill_step, "sent": sent, "returncode": proc.returncode,
+            "left_behind": len(left),
             "expected_returncode": expected, "one_line": one_line, "status_after_signal": status.get("status"),
             "resume_returncode": resumed.returncode, "seconds": round(time.perf_counter() - start, 1),
             "status": json.loads((run_dir / "status.json").read_text()).get("status"),
@@ -262,6 +287,66 @@ def in_process(argv: list[str]) -> tuple[int, str]:
         except SystemExit as exc:  # argparse
             code = exc.code if isinstance(exc.code, int) else 2
     return code, err.getvalue()
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """``os.environ`` with the launcher variables of ``values`` only (the others removed), for one call."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+             "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_ID", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+    saved = {k: os.environ.get(k) for k in names}
+    for k in names:
+        os.environ.pop(k, None)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def rerun_identical(method: str, run_dir: Path, ref: dict) -> tuple[int, bool]:
+    """After an early kill or signal: resume where a checkpoint was kept, else start the run again."""
+    from abtrain.checkpoint import read_manifest
+    if read_manifest(str(run_dir)) is not None:
+        argv = ABTRAIN + ["train", "--resume", str(run_dir)]
+    else:
+        argv = ABTRAIN + ["train", *JOB, *METHODS[method], "--checkpoint-every", "3", "--out", str(run_dir)]
+    p = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=300)
+    return p.returncode, p.returncode == 0 and same(weights(run_dir), ref)
+
+
+def run_failures(tmp: Path) -> list[dict]:
+    """Failures after the start, classed by what happened: a diverging run of each method, a removed run dir."""
+    out = []
+    for method in METHODS:
+        run_dir = tmp / f"diverge-{method}"
+        p = subprocess.run(ABTRAIN + ["train", *JOB, *METHODS[method], "--lr", "50", "--checkpoint-every", "3",
+                                      "--out", str(run_dir)], capture_output=True, text=True, env=env(), timeout=300)
+        status = json.loads((run_dir / "status.json").read_text())
+        lines = p.stderr.strip().splitlines()
+        out.append({"case": f"diverging-{method}", "exit": p.returncode, "kind": status.get("kind"),
+                    "handled": p.returncode == 1 and status.get("kind") == "diverged" and len(lines) == 1
+                    and "Traceback" not in p.stderr, "message": p.stderr.strip()[-300:]})
+    run_dir = tmp / "removed"
+    proc = subprocess.Popen(ABTRAIN + ["train", *JOB, "--steps", "100000", "--checkpoint-every", "5",
+                                       "--out", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(), start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 4/"):
+            # Renamed away first: rmtree alone races with the run's next write into the directory.
+            os.rename(run_dir, tmp / "removed-gone")
+            shutil.rmtree(tmp / "removed-gone", ignore_errors=True)
+            break
+    _, stderr = proc.communicate(timeout=300)
+    out.append({"case": "run-dir-removed", "exit": proc.returncode,
+                "handled": one_clear_line(proc.returncode, stderr, EXIT_NO_SPACE) and "was removed" in stderr,
+                "left_behind": len(hostile.left_behind(proc.pid)), "message": stderr.strip()[-300:]})
+    return out
 
 
 #: The exit codes docs/reliability.md documents: 2 bad input, 4 no space left on device.
@@ -438,6 +523,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20, help="worker kills at a random step")
     ap.add_argument("--checkpoint-kills", type=int, default=4, help="worker kills right after a checkpoint step")
     ap.add_argument("--launcher-runs", type=int, default=8, help="signals to the launcher, then --resume")
+    ap.add_argument("--double-ctrl-c", type=int, default=4, help="two Ctrl-C at a random step, then --resume")
+    ap.add_argument("--early-kills", type=int, default=16,
+                    help="SIGKILL to the launcher 0-100 ms after its first worker is forked")
+    ap.add_argument("--early-signals", type=int, default=8, help="SIGTERM or SIGINT in the command's first seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "fault_injection.json"))
     opts = ap.parse_args()
@@ -486,14 +575,68 @@ def main() -> None:
             launcher.append(r)
             print(f"launcher {i + 1}/{opts.launcher_runs}: {method:3s} {r['signal']} after step {r['kill_step']:2d}: "
                   f"exit {r['returncode']} (one line {r['one_line']}), status {r['status_after_signal']}, resume exit "
-                  f"{r['resume_returncode']}, identical {r['identical']} ({r['seconds']} s)", flush=True)
+                  f"{r['resume_returncode']}, identical {r['identical']}, left behind {r['left_behind']} "
+                  f"({r['seconds']} s)", flush=True)
             shutil.rmtree(run_dir, ignore_errors=True)
+        for i in range(opts.double_ctrl_c):
+            method = list(METHODS)[i % len(METHODS)]
+            run_dir = tmp / f"double-{i}"
+            r = launcher_run(method, run_dir, rng.randint(4, STEPS - 3), "double Ctrl-C")
+            r["identical"] = (r["status"] == "complete" and r["resume_returncode"] == 0
+                              and same(weights(run_dir), refs[method]))
+            launcher.append(r)
+            print(f"double Ctrl-C {i + 1}/{opts.double_ctrl_c}: {method:3s} after step {r['kill_step']:2d}: exit "
+                  f"{r['returncode']} (one line {r['one_line']}), status {r['status_after_signal']}, resume exit "
+                  f"{r['resume_returncode']}, identical {r['identical']}, left behind {r['left_behind']} "
+                  f"({r['seconds']} s)", flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        early = []
+        for i in range(opts.early_kills + opts.early_signals):
+            method = list(METHODS)[i % len(METHODS)]
+            run_dir = tmp / f"early-{i}"
+            argv = ABTRAIN + ["train", *JOB, *METHODS[method], "--checkpoint-every", "3", "--out", str(run_dir)]
+            start = time.perf_counter()
+            if i < opts.early_kills:
+                r = {"how": "SIGKILL after the first fork", **hostile.early_kill(argv, env(), rng)}
+                r["as_documented"] = r["returncode"] == -9
+            else:
+                sig = (signal.SIGTERM, signal.SIGINT)[i % 2]
+                r = {"how": f"{sig.name} while starting", **hostile.early_signal(argv, env(), sig, rng)}
+                r["as_documented"] = (r["returncode"] == 130 and r["one_line"]) or r["returncode"] == 0
+            r["method"] = method
+            r["rerun_returncode"], r["identical"] = rerun_identical(method, run_dir, refs[method])
+            r["seconds"] = round(time.perf_counter() - start, 1)
+            early.append(r)
+            print(f"early {i + 1}/{opts.early_kills + opts.early_signals}: {method:3s} {r['how']} "
+                  f"+{r['delay_ms']} ms: exit {r['returncode']}, as documented {r['as_documented']}, left behind "
+                  f"{r['left_behind']}, rerun exit {r['rerun_returncode']}, identical {r['identical']} "
+                  f"({r['seconds']} s)", flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        failures = run_failures(tmp)
+        for f in failures:
+            print(f"failure {f['case']}: exit {f['exit']}, handled {f['handled']}: {f['message'][-160:]}", flush=True)
         # -- part 2 --------------------------------------------------------
         inputs = []
-        for n, argv in enumerate(bad_argvs(tmp) + bad_files(tmp)):
+        argvs = bad_argvs(tmp) + bad_files(tmp)
+        argvs += hostile.data_shape_cases(tmp, tmp / "fashion-good")  # bad_files made the good copy
+        flat = [f.name for f in config_fields()]
+        sections = {name: [f.name for f in section_fields(name)] for name in SECTIONS}
+        for name, text in hostile.config_texts(flat, sections):
+            path = tmp / f"cfg-{name}.toml"
+            path.write_text(text)
+            argvs.append(["--dataset", "synthetic", "--model", "mlp", "--out", str(tmp / "fuzz-run"), "--config",
+                          str(path)])
+        for n, argv in enumerate(argvs):
             argv = [str(tmp / f"fuzz-run-{n}") if a == str(tmp / "fuzz-run") else a for a in argv]
             code, stderr = in_process(argv)
             inputs.append({"path": "in-process", "argv": argv, "exit": code, "handled": one_clear_line(code, stderr),
+                           "message": stderr.strip()[:300]})
+        for n, variables in enumerate(hostile.launcher_variable_cases()):
+            out = tmp / f"env-run-{n}"
+            with environment(variables):
+                code, stderr = in_process([*JOB, "--steps", "2", "--out", str(out)])
+            inputs.append({"path": "in-process", "case": f"launcher-variables {variables}", "argv": [], "exit": code,
+                           "handled": one_clear_line(code, stderr) and not out.exists(),
                            "message": stderr.strip()[:300]})
         for name, argv, run_dir, marker in checkpoint_cases(tmp):
             before = digest(run_dir) if run_dir else None
@@ -503,6 +646,25 @@ def main() -> None:
             inputs.append({"path": "cli", "case": name, "argv": argv, "exit": p.returncode,
                            "handled": one_clear_line(p.returncode, p.stderr) and intact and safe,
                            "saved_data_intact": intact, "no_code_ran": safe, "message": p.stderr.strip()[:300]})
+        stopped = tmp / "stopped"  # made by checkpoint_cases, unchanged by its refused resumes
+        for name, run_dir in hostile.manifest_cases(stopped, tmp):
+            before = digest(run_dir)
+            p = subprocess.run(ABTRAIN + ["train", "--resume", str(run_dir)], capture_output=True, text=True,
+                               env=env(), timeout=300)
+            inputs.append({"path": "cli", "case": f"manifest-{name}", "argv": ["--resume", str(run_dir)],
+                           "exit": p.returncode, "handled": one_clear_line(p.returncode, p.stderr)
+                           and digest(run_dir) == before, "message": p.stderr.strip()[:300]})
+        counter = iter(range(10 ** 6))
+
+        def either(argv: list[str]) -> tuple[int, str]:  # every 12th through the real command, else in-process
+            if next(counter) % 12:
+                return in_process(argv)
+            p = subprocess.run(ABTRAIN + ["train", *argv], capture_output=True, text=True, env=env(), timeout=300)
+            return p.returncode, p.stderr
+        for n, r in enumerate(hostile.run_dir_cases(tmp, stopped, JOB, either)):
+            inputs.append({"path": "in-process" if n % 12 else "cli", "case": r["case"], "argv": r["argv"],
+                           "exit": r["exit"], "handled": one_clear_line(r["exit"], r["stderr"]) and r["intact"],
+                           "message": r["stderr"].strip()[:300]})
         inputs += concurrent_writers(tmp)
         disk = full_disk(tmp)
         if disk is not None:
@@ -511,19 +673,30 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     killed = [r for r in runs if r["killed_worker"] is not None]
+    plain = [r for r in launcher if r["signal"] != "double Ctrl-C"]
+    double = [r for r in launcher if r["signal"] == "double Ctrl-C"]
     summary = {
         "runs": len(runs),
         "runs_with_a_kill": len(killed),
         "runs_completed": sum(r["status"] == "complete" and r["returncode"] == 0 for r in runs),
         "runs_identical": sum(r["identical"] for r in runs),
-        "launcher_runs": len(launcher),
-        "launcher_signals_sent": sum(r["sent"] for r in launcher),
+        "launcher_runs": len(plain),
+        "launcher_signals_sent": sum(r["sent"] for r in plain),
         "launcher_exit_as_documented": sum(r["returncode"] == r["expected_returncode"] and r["one_line"]
-                                           for r in launcher),
-        "launcher_identical_after_resume": sum(r["identical"] for r in launcher),
-        "kills_and_signals": len(killed) + sum(r["sent"] for r in launcher),
+                                           for r in plain),
+        "launcher_identical_after_resume": sum(r["identical"] for r in plain),
+        "double_ctrl_c": len(double),
+        "double_ctrl_c_as_documented": sum(r["sent"] and r["returncode"] == 130 and r["one_line"] for r in double),
+        "early": len(early),
+        "early_as_documented": sum(r["as_documented"] for r in early),
+        "early_identical": sum(r["identical"] for r in early),
+        "processes_left_behind": sum(r.get("left_behind", 0) for r in launcher + early + failures),
+        "kills_and_signals": len(killed) + sum(r["sent"] for r in launcher) + len(early),
         "kills_and_signals_identical": sum(r["identical"] for r in runs if r["killed_worker"] is not None)
-                                       + sum(r["identical"] for r in launcher if r["sent"]),
+                                       + sum(r["identical"] for r in launcher if r["sent"])
+                                       + sum(r["identical"] for r in early),
+        "failures_after_start": len(failures),
+        "failures_classed": sum(f["handled"] for f in failures),
         "bad_inputs": len(inputs),
         "bad_inputs_cli": sum(i["path"] == "cli" for i in inputs),
         "bad_inputs_handled": sum(i["handled"] for i in inputs),
@@ -538,6 +711,13 @@ def main() -> None:
              f"{summary['launcher_exit_as_documented']} / {summary['launcher_runs']}"),
             ("identical to the uninterrupted run after --resume",
              f"{summary['launcher_identical_after_resume']} / {summary['launcher_runs']}"),
+            ("double Ctrl-C: exit 130, one line", f"{summary['double_ctrl_c_as_documented']} / {summary['double_ctrl_c']}"),
+            ("early kill / signal: as documented (-9; 130 and one line)",
+             f"{summary['early_as_documented']} / {summary['early']}"),
+            ("early kill / signal: identical after the rerun", f"{summary['early_identical']} / {summary['early']}"),
+            ("processes left behind by a killed or signalled launcher", f"{summary['processes_left_behind']}"),
+            ("failures after start in their class (diverged x2, removed run dir)",
+             f"{summary['failures_classed']} / {summary['failures_after_start']}"),
             ("all kills and signals: identical at the end",
              f"{summary['kills_and_signals_identical']} / {summary['kills_and_signals']}"),
             ("bad inputs handled (one line, documented exit code, nothing damaged)",
@@ -549,7 +729,8 @@ def main() -> None:
         if not i["handled"]:
             print("NOT HANDLED:", i.get("case") or " ".join(i["argv"][-4:]), "->", i["exit"], i["message"][:200])
     Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(opts.json).write_text(json.dumps({"summary": summary, "runs": runs, "launcher": launcher, "inputs": inputs},
+    Path(opts.json).write_text(json.dumps({"summary": summary, "runs": runs, "launcher": launcher, "early": early,
+                                           "failures": failures, "inputs": inputs},
                                           indent=2) + "\n")
     print(f"written {opts.json}")
 

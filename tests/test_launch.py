@@ -17,7 +17,8 @@ def test_plain_environment_spawns_locally():
 
 
 def test_torchrun_variables_join():
-    assert external_world({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}) == "torchrun"
+    assert external_world({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
+                           "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}) == "torchrun"
 
 
 def test_slurm_variables_are_translated():

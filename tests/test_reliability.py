@@ -347,6 +347,7 @@ def test_a_shard_whose_directory_another_worker_removed_reports_the_full_disk(tm
     """Worker 0 fills the disk and removes the step's directory while worker 1 still writes there: worker 1's
     missing file is the same full disk, and says so (the launcher reports whichever worker failed first)."""
     run = str(tmp_path / "run")
+    os.makedirs(run)  # the trainer makes it at its start
     ckpt.save(run, 5, 1, {"step": 5}, lambda: None, None, 2, True, None)
     ckpt.save(run, 5, 0, {"step": 5}, lambda: None, {"step": 5}, 2, True, None)
 

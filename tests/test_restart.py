@@ -103,7 +103,7 @@ def test_resume_refusals_are_one_line(fashion_dir, tmp_path, reference, capsys):
     (stopped / "config.json").write_text((reference / "config.json").read_text())
     (stopped / "checkpoint" / "latest.json").write_text(json.dumps(
         {"format": "abtrain-checkpoint", "version": 1, "step": 3, "world_size": 4, "dir": "step-00000003",
-         "files": {}}))
+         "files": {}, "sha256": {}}))
     cases = [
         (["--resume", str(reference)], "finished run"),
         (["--resume", str(tmp_path / "nowhere")], "no such run directory"),

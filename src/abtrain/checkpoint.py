@@ -26,6 +26,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import warnings
 import zipfile
@@ -34,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .results import NoSpaceError, atomic_write, is_no_space, write_json
+from .results import NoSpaceError, RunDirGone, atomic_write, is_no_space, write_json
+from .safefile import make_dir, open_file, regular_size
 
 FORMAT = "abtrain-checkpoint"
 VERSION = 1
@@ -70,14 +72,14 @@ def _fsync_dir(path: str) -> None:
 def save_shard(path: str, state: dict[str, Any]) -> None:
     """``torch.save`` through a temporary file in the same directory, fsync, rename."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    make_dir(directory)  # a real directory in an existing parent (never a link, never the run directory made again)
     atomic_write(path, lambda fh: torch.save(state, fh))
     _fsync_dir(directory)
 
 
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_file(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -116,10 +118,10 @@ def write_manifest(run_dir: str, step: int, world_size: int, meta: dict[str, Any
 def read_manifest(run_dir: str) -> dict[str, Any] | None:
     """The manifest of the run's last complete checkpoint, None when there is none; ValueError when unreadable."""
     path = os.path.join(checkpoint_root(run_dir), MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path) as fh:
+        with open_file(path) as fh:
             manifest = json.load(fh)
     except (OSError, ValueError) as exc:
         raise ValueError(f"checkpoint manifest {path} is unreadable ({exc}); the checkpoint cannot be used") from None
@@ -128,9 +130,16 @@ def read_manifest(run_dir: str) -> dict[str, Any] | None:
     if manifest.get("version") != VERSION:
         raise ValueError(f"checkpoint {path} has format version {manifest.get('version')!r}; "
                          f"this abtrain reads version {VERSION}")
-    for key, kind in (("step", int), ("world_size", int), ("dir", str), ("files", dict)):
+    for key, kind in (("step", int), ("world_size", int), ("dir", str), ("files", dict), ("sha256", dict)):
         if not isinstance(manifest.get(key), kind):
-            raise ValueError(f"checkpoint manifest {path} lacks a valid {key!r}")
+            raise ValueError(f"checkpoint manifest {path} lacks a valid {key!r}; the checkpoint cannot be checked, "
+                             f"so it is not used")
+    if not re.fullmatch(r"step-\d+", manifest["dir"]):
+        raise ValueError(f"checkpoint manifest {path} names {manifest['dir']!r}, not a step directory")
+    unsummed = sorted(set(manifest["files"]) - set(manifest["sha256"]))
+    if unsummed:
+        raise ValueError(f"checkpoint manifest {path} has no sha256 for {', '.join(unsummed)}; the checkpoint "
+                         f"cannot be checked, so it is not used")
     return manifest
 
 
@@ -150,15 +159,14 @@ def shard_path(run_dir: str, manifest: dict[str, Any], rank: int) -> str:
     if expected is None:
         raise ValueError(f"checkpoint of step {manifest['step']} has no shard for worker {rank}")
     try:
-        size = os.path.getsize(path)
+        size = regular_size(path)  # a link, FIFO or directory in its place: WrongKind
     except OSError:
         raise ValueError(f"checkpoint shard {path} is missing") from None
     if size != expected:
         raise ValueError(f"checkpoint shard {path} is {size} bytes, the manifest says {expected}: "
                          f"the file is truncated or was replaced")
-    sums = manifest.get("sha256")
-    digest = sums.get(shard_name(rank)) if isinstance(sums, dict) else None
-    if digest is not None and sha256_file(path) != digest:
+    digest = manifest["sha256"].get(shard_name(rank))  # read_manifest refuses a manifest without every sum
+    if sha256_file(path) != digest:
         raise ValueError(f"checkpoint shard {path} is corrupt: its sha256 differs from the manifest's "
                          f"(same size, changed bytes); the checkpoint of step {manifest['step']} cannot be used")
     return path
@@ -180,17 +188,23 @@ def load_shard(path: str) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():  # torch warns about foreign pickle protocols before refusing them
             warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with open_file(path, "rb") as fh:
+                state = torch.load(fh, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"checkpoint {path} holds objects that a safe load refuses (it may run code): "
-                         f"{first[:200]}") from None
+        raise ValueError(f"checkpoint {path} holds objects that a safe load refuses ({_refusal(str(exc))}): "
+                         f"loading it could run code, so abtrain does not load it") from None
     except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile, KeyError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"checkpoint {path} is corrupt or truncated: {first[:200]}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not an abtrain checkpoint")
     return state
+
+
+def _refusal(text: str) -> str:
+    """What torch's safe unpickler refused, without its advice to load the file unsafely."""
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n\n|$)", text, re.S)
+    return " ".join(m.group(1).split())[:200] if m else "objects other than tensors and plain containers"
 
 
 # -- the run's good checkpoints ------------------------------------------
@@ -241,11 +255,8 @@ def last_good(run_dir: str) -> tuple[int, float | None] | None:
     return None if manifest is None else (manifest["step"], manifest.get("train_loss"))
 
 
-def last_good_note(run_dir: str) -> str:
-    """`` (the last good checkpoint, of step N, is kept in DIR)``, or nothing when there is none."""
-    good = last_good(run_dir)
-    return "" if good is None else (f" (the last good checkpoint, of step {good[0]}, is kept in "
-                                    f"{checkpoint_root(run_dir)})")
+class Diverged(FloatingPointError):
+    """Training diverged (a non-finite loss or weight); the message ends with :func:`divergence_advice`."""
 
 
 def divergence_advice(run_dir: str, lr: float) -> str:
@@ -267,6 +278,7 @@ def save(run_dir: str, step: int, rank: int, state: dict[str, Any], barrier: Any
     """
     directory = step_dir(run_dir, step)
     try:
+        make_dir(checkpoint_root(run_dir))
         save_shard(os.path.join(directory, shard_name(rank)), state)
         # A plain barrier (no data, not in the ledger): the manifest may only name shards that exist.
         barrier()
@@ -275,7 +287,10 @@ def save(run_dir: str, step: int, rank: int, state: dict[str, Any], barrier: Any
     except (OSError, RuntimeError) as exc:
         # A worker whose disk filled removes the step's directory; another one still writing there then finds
         # its file gone: the same full disk, said the same way (whichever worker's error the launcher reports).
-        vanished = isinstance(exc, FileNotFoundError) and not os.path.isdir(directory)
+        if not os.path.isdir(run_dir):
+            raise RunDirGone(f"run directory {run_dir} was removed while the run was going on (at the checkpoint "
+                             f"of step {step})") from None
+        vanished = isinstance(exc, (FileNotFoundError, RunDirGone)) and not os.path.isdir(directory)
         if not (is_no_space(exc) or vanished):
             raise
         shutil.rmtree(directory, ignore_errors=True)  # never named by the manifest: free the space

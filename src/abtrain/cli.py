@@ -1,4 +1,9 @@
-"""``abtrain`` command line: parse, validate, launch. Flags are built from TrainConfig."""
+"""``abtrain`` command line: parse, validate, launch. Flags are built from TrainConfig.
+
+Only the standard library is imported at the top: :func:`main` installs the signal handlers
+(:mod:`abtrain.interrupt`) before torch is imported, so Ctrl-C or SIGTERM at any moment ends the command with one
+line.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,12 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import __version__
-from .config import SECTIONS, TrainConfig, config_fields, merge, nest, read_config_file, section_fields
-from .methods import registry
-from .rundir import RunFailed
+from . import __version__, interrupt
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,6 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _choices(f) -> Sequence[str] | None:
+    from .methods import registry
     if "choices" in f.metadata:
         return f.metadata["choices"]
     source = f.metadata.get("choices_from")
@@ -59,6 +65,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, fields: list, defaults: A
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import SECTIONS, TrainConfig, config_fields, section_fields
+    from .methods import registry
     parser = _Parser(prog="abtrain", description="Communication-efficient distributed training on PyTorch, every byte counted.")
     parser.add_argument("--version", action="version", version=f"abtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -150,6 +158,7 @@ def bench_config_from_args(ns: argparse.Namespace) -> Any:
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """Defaults, then the TOML file, then the flags."""
+    from .config import TrainConfig, merge, nest, read_config_file
     values = read_config_file(ns.config) if getattr(ns, "config", None) else {}
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config", "resume")}
     return TrainConfig.from_dict(merge(values, nest(flags)))
@@ -163,10 +172,14 @@ RESUME_SETTINGS = ("lr", "grad_clip")
 
 def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
     """The configuration saved in ``ns.resume``'s run directory, plus the few options a resume may change."""
+    from .config import TrainConfig
+    from .rundir import check_layout
+    from .safefile import open_file
     run_dir = ns.resume
     path = os.path.join(run_dir, "config.json")
     if not os.path.isdir(run_dir):
         raise ValueError(f"--resume {run_dir}: no such run directory")
+    check_layout(run_dir)  # before any file of it is read: a link or FIFO there is refused, not followed
     if getattr(ns, "config", None):
         raise ValueError("--resume takes the configuration saved in the run directory; drop --config")
     given = sorted(k for k in vars(ns) if k not in ("command", "config", "resume"))
@@ -177,7 +190,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
                          f"{', '.join('--' + k.replace('_', '-') for k in refused)} would change it "
                          f"(allowed: {', '.join('--' + k.replace('_', '-') for k in allowed)})")
     try:
-        with open(path) as fh:
+        with open_file(path) as fh:
             saved = json.load(fh)
     except FileNotFoundError:
         raise ValueError(f"{run_dir} has no config.json: not a run directory of 'abtrain train'") from None
@@ -194,6 +207,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
         if isinstance(settings, dict):
             saved.update({k: settings[k] for k in RESUME_SETTINGS if k in settings})
     saved["stop_after"] = None  # a stop belongs to the invocation that asked for it
+    saved["out"] = run_dir  # where the run is now (a copied or moved run directory writes its new path)
     saved.update({k: getattr(ns, k) for k in given})
     try:
         return TrainConfig.from_dict(saved)
@@ -202,6 +216,20 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``abtrain`` command; ``argv`` given: called in-process, the caller's signal handlers come back after."""
+    handlers = interrupt.install()  # first of all: torch's import takes seconds and may meet a Ctrl-C
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as exc:  # before anything was started (a run's interruption is said by the launcher)
+        print(f"abtrain: interrupted ({interrupt.signal_of(exc)})", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if argv is not None:
+            interrupt.restore(handlers)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from .rundir import RunFailed
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
     try:
@@ -228,9 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"abtrain: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
-    except KeyboardInterrupt:
-        print("abtrain: interrupted", file=sys.stderr)
-        return 130
     return 0
 
 

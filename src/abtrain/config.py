@@ -185,6 +185,18 @@ def nest(flat: dict[str, Any], where: str = "the command line") -> dict[str, Any
     known = {f.name for f in config_fields()}
     section_known = {s: {f.name for f in section_fields(s)} for s in SECTIONS}
     out: dict[str, Any] = {}
+    spelled: dict[tuple[str, ...], str] = {}  # each option, and how ``where`` spelled it first
+
+    def put(path: tuple[str, ...], value: Any, spelling: str) -> None:
+        # ``batch-size`` and ``batch_size``, or ``ab-tau`` and ``[ab] tau``: one option given twice, where
+        # silently keeping the last would hide which one a run used.
+        if path in spelled:
+            raise ValueError(f"{where} sets {'.'.join(path)} twice, as {spelled[path]!r} and as {spelling!r}; "
+                             f"keep one")
+        spelled[path] = spelling
+        target = out if len(path) == 1 else out.setdefault(path[0], {})
+        target[path[-1]] = value
+
     for key, value in flat.items():
         name = key.replace("-", "_")
         # A table ``[ab]`` or a prefixed key ``ab-tau`` (the flag's name) both set ab.tau.
@@ -193,11 +205,11 @@ def nest(flat: dict[str, Any], where: str = "the command line") -> dict[str, Any
         if name in SECTIONS and isinstance(value, dict):
             for sub, sub_value in value.items():
                 sub_name = _known(sub.replace("-", "_"), section_known[name], f"{name}.{sub}", where)
-                out.setdefault(name, {})[sub_name] = sub_value
+                put((name, sub_name), sub_value, f"[{key}] {sub}")
         elif prefixed is not None:
-            out.setdefault(prefixed, {})[name[len(prefixed) + 1:]] = value
+            put((prefixed, name[len(prefixed) + 1:]), value, key)
         else:
-            out[_known(name, known, key, where)] = value
+            put((_known(name, known, key, where),), value, key)
     return out
 
 
@@ -236,7 +248,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         if path.endswith(".json"):
             try:
                 with open(path) as fh:
-                    raw = json.load(fh)
+                    raw = json.load(fh, object_pairs_hook=_unique_pairs)
             except ValueError as exc:
                 raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
             if not isinstance(raw, dict):
@@ -251,7 +263,36 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 TOML") from None
     except OSError as exc:
         raise ValueError(f"config file {path} cannot be read: {exc.strerror}") from None
+    except RecursionError:
+        raise ValueError(f"config file {path} nests tables or arrays too deeply to read; options are values or "
+                         f"one table deep ([ab] tau = 0.1)") from None
+    if _deeper_than(raw, MAX_DEPTH):
+        raise ValueError(f"config file {path} nests tables or arrays more than {MAX_DEPTH} levels deep; options "
+                         f"are values or one table deep ([ab] tau = 0.1)")
     return nest(raw, f"config file {path}")
+
+
+#: The deepest nesting of tables and arrays a config file may hold (an option inside a method's table is 2).
+MAX_DEPTH = 3
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """True when ``value`` nests dicts or lists more than ``limit`` levels (without recursing past the limit)."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"the key {twice[0]!r} appears twice in one table")
+    return dict(pairs)
 
 
 def _drop_nulls(raw: dict[str, Any]) -> dict[str, Any]:

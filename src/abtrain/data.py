@@ -43,6 +43,7 @@ DATASETS = ("fashion-mnist", "shakespeare", "synthetic")
 # Per-pixel statistics of the Fashion-MNIST training images (after /255).
 FASHION_MEAN = 0.2860
 FASHION_STD = 0.3530
+FASHION_SIZE = (28, 28)  # every image, train and test
 FASHION_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -187,6 +188,11 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None) -> Dataset:
             raise DataError(
                 f"{paths[labels_key]}: expected labels [N], got shape {tuple(labels.shape)}; "
                 "is this a labels file?"
+            )
+        if tuple(images.shape[1:]) != FASHION_SIZE:
+            raise DataError(
+                f"{paths[images_key]}: images of {images.shape[1]}x{images.shape[2]} pixels, Fashion-MNIST's are "
+                f"{FASHION_SIZE[0]}x{FASHION_SIZE[1]}; the file is not this dataset's: re-download it"
             )
         if len(images) != len(labels):
             raise DataError(

@@ -23,6 +23,9 @@ PRELOAD = ["abtrain.fork_server_tie", "torch", "torch.distributed", "torch._dyna
 MAX_SOCKET_BASE = 107 - len("/pymp-12345678/listener-12345678")
 #: The file in the launcher's private temporary directory that names the fork server's socket directory.
 SOCKET_DIR_RECORD = "fork-server-dir"
+#: The launcher's pid, for the fork server's tie to its life (:mod:`abtrain.fork_server_tie`, not imported here:
+#: importing it ties the importing process to its own parent).
+LAUNCHER_PID_VARIABLE = "ABTRAIN_LAUNCHER_PID"
 
 
 def start_method() -> tuple[str, str | None]:
@@ -50,6 +53,7 @@ def start_method() -> tuple[str, str | None]:
     if len(socket_dir) > MAX_SOCKET_BASE + len("/pymp-12345678"):
         return "spawn", None
     multiprocessing.set_forkserver_preload(PRELOAD)
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # the server's tie checks that its parent is this process
     return "forkserver", socket_dir
 
 

@@ -2,9 +2,18 @@
 
 The fork server is the launcher's child and the workers' parent. It would outlive a SIGKILLed launcher for as
 long as its workers run (each holds the pipe whose end tells it to exit), so it asks for SIGKILL when the
-launcher dies; each worker asks for the same when the server dies (:func:`abtrain.rundir.die_with_parent`).
+launcher dies, and ends at once when the launcher died before it asked; each worker does the same with the
+server (:func:`abtrain.lifeline.die_with_parent`, given :data:`SERVER_PID`). Nothing here imports torch: the tie
+holds from the server's first moments.
 """
 
-from .rundir import die_with_parent
+import os
 
-die_with_parent()
+from .lifeline import die_with_parent
+
+#: The fork server's pid (the parent of every worker it forks).
+SERVER_PID = os.getpid()
+LAUNCHER_PID_VARIABLE = "ABTRAIN_LAUNCHER_PID"
+
+_launcher = os.environ.get(LAUNCHER_PID_VARIABLE, "")
+die_with_parent((int(_launcher),) if _launcher.isdigit() else ())

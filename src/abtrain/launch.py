@@ -31,46 +31,19 @@ from typing import Any
 from . import fork_server
 from .checkpoint import read_manifest, shard_path
 from .config import TrainConfig
+from .interrupt import hold as hold_signals
+from .interrupt import install as install_signal_handlers
+from .interrupt import restore as restore_signal_handlers
+from .interrupt import signal_of
 from .results import check_writable, read_status, write_json, write_status
-from .rundir import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_WORKER_DIED, RunFailed, RunLock, StepBoard, run_status,
-                     signal_name)
+from .rundir import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_SPACE, EXIT_WORKER_DIED, RunFailed, RunLock, StepBoard,
+                     check_layout, run_status, signal_name)
+from .world_env import external_world
 
 log = logging.getLogger(__name__)
 
-def external_world(environ: dict[str, str] | None = None) -> str | None:
-    """``"torchrun"`` or ``"slurm"`` when this process belongs to a world started outside, else None.
-
-    For Slurm, fills in torchrun's variables from SLURM_* (in ``environ``).
-    """
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return "torchrun"
-    ntasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and ntasks and int(ntasks) > 1:
-        env["RANK"] = env["SLURM_PROCID"]
-        env["WORLD_SIZE"] = ntasks
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env["LOCAL_WORLD_SIZE"] = str(_slurm_tasks_on_this_node(env, int(ntasks)))
-        if "MASTER_ADDR" not in env:
-            raise ValueError("running under srun without MASTER_ADDR: export MASTER_ADDR=$(scontrol show hostnames "
-                             "\"$SLURM_JOB_NODELIST\" | head -n 1) and MASTER_PORT (see examples/slurm.sbatch)")
-        env.setdefault("MASTER_PORT", "29500")
-        return "slurm"
-    return None
-
-
-def _slurm_tasks_on_this_node(env: dict[str, str], ntasks: int) -> int:
-    if env.get("SLURM_NTASKS_PER_NODE"):
-        return int(env["SLURM_NTASKS_PER_NODE"])
-    # SLURM_TASKS_PER_NODE looks like "4(x2),3": the first node's count is ours when counts are equal.
-    spec = env.get("SLURM_TASKS_PER_NODE", "")
-    m = re.match(r"(\d+)", spec)
-    if m:
-        return int(m.group(1))
-    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    return max(1, ntasks // nodes)
-
-
+#: Which signals torch's elastic agent turns into its own exception (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT).
+TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 #: A local run with more workers than this many per core gets a warning about memory.
 WORKERS_PER_CORE_WARNING = 4
 
@@ -84,19 +57,22 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
     from .rundir import default_run_dir
     from .worker import restart_count, worker_main
 
-    mode = external_world()
+    mode = external_world()  # refuses half-set launcher variables before anything is touched
     world = int(os.environ["WORLD_SIZE"]) if mode else cfg.workers
     run_dir = resume_dir or cfg.out or os.environ.get("ABTRAIN_RUN_DIR") or default_run_dir(cfg)
     is_main = not mode or int(os.environ.get("RANK", "0")) == 0
     lock = RunLock(run_dir)
+    started = False  # status.json says 'running'
     try:
         if is_main:
+            check_layout(run_dir)  # no link, FIFO or wrong kind of file where abtrain reads or writes
             if not resume_dir:
                 check_writable(run_dir)
+            # Before the lock: once this process holds it, a 'running' left by a killed launcher looks alive.
+            previous = (run_status(run_dir) or {}) if resume_dir else {}
             lock.acquire()  # before anything is read or written: a live run owns its directory
             if resume_dir:
                 check_resumable(run_dir, world, cfg, shards=not mode)
-                previous = run_status(run_dir) or {}
                 if previous.get("status") == "interrupted" and previous.get("reason"):
                     print("abtrain: the run was left 'running' by a process that is gone; resuming it",
                           file=sys.stderr, flush=True)
@@ -111,10 +87,15 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
             if not resume_dir and restart_count() == 0:
                 write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
             write_status(run_dir, "running", world_size=world, pid=os.getpid())
+            started = True
         if mode:
             worker_main(cfg.to_dict(), run_dir, bool(resume_dir), report=True, plan=plan)
             return 0
         return _launch_local(cfg, run_dir, bool(resume_dir))
+    except KeyboardInterrupt as exc:
+        if not started:
+            raise  # nothing was started: the command says so
+        return _interrupted(run_dir, "", world, signal_of(exc))
     finally:
         lock.release()
 
@@ -174,6 +155,9 @@ def _describe(failures: dict[int, Any], run_dir: str, board: str,
     failed worker, the first it looks at, so ``signalled`` adds the exit codes of every worker a signal killed
     (rank -> negative exit code). Otherwise the worker that recorded the first failure in status.json says why.
     """
+    if not os.path.isdir(run_dir):  # nothing is left to record a failure in, nor to resume
+        return (f"run directory {run_dir} was removed while the run was going on; start the run again",
+                EXIT_NO_SPACE, False)
     died = {rank: f.exitcode for rank, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
     died.update(signalled or {})
     if died:
@@ -278,9 +262,13 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
         fork_server.record_socket_dir(tmp, socket_dir)
     board = os.path.join(tmp, "steps")
     saved: dict[str, Any] = {"tempdir": tempfile.tempdir, "TMPDIR": os.environ.get("TMPDIR"),
-                             "handlers": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}}
+                             "signals": os.environ.get(TORCH_SIGNALS)}
     tempfile.tempdir = tmp
     os.environ["TMPDIR"] = tmp
+    # SIGINT and SIGTERM stay with abtrain's handlers (the first interrupts, a second one is ignored while the
+    # workers are stopped); torch's would raise again inside its own shutdown, with a traceback.
+    handlers = install_signal_handlers()
+    os.environ[TORCH_SIGNALS] = "SIGHUP,SIGQUIT"
     try:
         agent = _make_agent(cfg, run_dir, resume, tmp, board, start_method)
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
@@ -290,7 +278,7 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
         rendezvous = agent.get_worker_group().spec.rdzv_handler
         try:
             result = agent.run()
-        except SignalException:
+        except (SignalException, KeyboardInterrupt):
             raise
         except BaseException:
             rendezvous.shutdown()
@@ -300,16 +288,17 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
             _failed(result.failures, run_dir, board, agent.signalled)
     except SignalException as exc:
         return _interrupted(run_dir, board, cfg.workers, signal_name(int(exc.sigval)))
-    except KeyboardInterrupt:
-        return _interrupted(run_dir, board, cfg.workers, "SIGINT")
+    except KeyboardInterrupt as exc:
+        return _interrupted(run_dir, board, cfg.workers, signal_of(exc))
     finally:
+        hold_signals()  # the clean-up below runs to its end
         tempfile.tempdir = saved["tempdir"]
-        if saved["TMPDIR"] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved["TMPDIR"]
-        for sig, handler in saved["handlers"].items():  # the agent installs its own and leaves them
-            signal.signal(sig, handler)
+        for name, value in (("TMPDIR", saved["TMPDIR"]), (TORCH_SIGNALS, saved["signals"])):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        restore_signal_handlers(handlers)  # the agent installs its own (SIGHUP, SIGQUIT) and leaves them
         if start_method == "forkserver":
             fork_server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -355,6 +344,9 @@ def _remove_orphaned_tmp() -> None:
 
 def _interrupted(run_dir: str, board: str, world: int, sig: str) -> int:
     """SIGINT / SIGTERM to the launcher: the workers are stopped; record it and say how to continue."""
+    if os.path.exists(os.path.join(run_dir, "results.json")):  # the signal came during the last clean-up
+        print(f"abtrain: interrupted ({sig}) after the run completed", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     step, what = _last_checkpoint(run_dir)
     reached = _reached(board, world)
     with contextlib.suppress(OSError):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import TrainConfig
-from .data import Dataset, load_dataset, steps_per_epoch
+from .data import DataError, Dataset, load_dataset, steps_per_epoch
 from .methods import registry
 from .models import build_model
 from .topology import resolve_backend
@@ -78,6 +78,33 @@ class Plan:
     total_steps: int
 
 
+def check_samples(ds: Dataset, model: nn.Module, name: str) -> None:
+    """Every split's samples have the dataset's shape, and the model takes them and gives one output per class:
+    data of the wrong shape is refused now (one line) instead of failing at the first step or evaluation."""
+    for what, split in (("training", ds.train), ("test", ds.test)):
+        if tuple(split.x.shape[1:]) != tuple(ds.input_shape):
+            raise DataError(f"the {what} samples of {ds.name} have shape {tuple(split.x.shape[1:])}, the dataset's "
+                            f"are {tuple(ds.input_shape)}: the files do not belong together")
+    training = model.training
+    model.eval()  # no dropout, no running statistics updated: the weights stay as built
+    try:
+        with torch.no_grad():
+            for what, split in (("training", ds.train), ("test", ds.test)):
+                if not len(split):
+                    continue
+                try:
+                    out = model(split.x[:2])
+                except (RuntimeError, ValueError, IndexError) as exc:
+                    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+                    raise DataError(f"model {name} cannot take the {what} samples of {ds.name} (shape "
+                                    f"{tuple(split.x.shape[1:])}): {first}") from None
+                if out.shape[-1] != ds.num_classes:
+                    raise DataError(f"model {name} gives {out.shape[-1]} outputs per sample, {ds.name} has "
+                                    f"{ds.num_classes} classes")
+    finally:
+        model.train(training)
+
+
 def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> Plan:
     """Every check that can fail on user input, before any worker starts; returns the run's plan."""
     spec = registry.get(cfg.method)
@@ -90,6 +117,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
                          f"({len(ds.train)} samples / {world_size} workers = {shard}); use a smaller batch or fewer workers")
     torch.manual_seed(cfg.seed)  # identical initial weights on every worker
     model = build_model(cfg.model, ds)  # raises for a model that does not fit the dataset
+    check_samples(ds, model, cfg.model)
     per_epoch = steps_per_epoch(len(ds.train), world_size, cfg.batch_size)
     total = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
     if cfg.stop_after is not None and cfg.stop_after >= total:

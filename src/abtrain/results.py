@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from .comm import wire_bytes
+from .safefile import open_file
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,10 @@ HISTORY_COLUMNS = ("step", "epoch", "test_accuracy", "test_loss", "test_perplexi
 
 class NoSpaceError(OSError):
     """The device holding a run's files is full (ENOSPC) or its quota is used up (EDQUOT)."""
+
+
+class RunDirGone(OSError):
+    """The directory a run writes into was removed while the run was going on."""
 
 
 def is_no_space(exc: BaseException | None) -> bool:
@@ -68,6 +73,8 @@ def atomic_write(path: str, data: str | Callable[[BinaryIO], None]) -> None:
     except OSError as exc:
         if is_no_space(exc):
             raise NoSpaceError(f"no space left on device while writing {path}") from None
+        if isinstance(exc, FileNotFoundError) and not os.path.isdir(directory):
+            raise RunDirGone(f"{directory} was removed while the run was writing to it ({os.path.basename(path)})") from None
         raise
     try:
         os.fchmod(fd, _FILE_MODE)
@@ -98,9 +105,9 @@ def write_status(run_dir: str, status: str, **extra: Any) -> None:
 
 def read_status(run_dir: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(run_dir, "status.json")) as fh:
+        with open_file(os.path.join(run_dir, "status.json")) as fh:
             return json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # missing, unreadable, or not a regular file (a link is not followed)
         return None
 
 

@@ -9,6 +9,8 @@
   say at which step a worker died.
 - :func:`run_status`: ``status.json``, with a ``running`` that no live process
   owns reported as ``interrupted`` (the launcher was killed with SIGKILL).
+- :func:`check_layout`: every path abtrain uses in a run directory is what it
+  should be (a regular file, a directory, or nothing), links not followed.
 
 Exit codes of ``abtrain train`` are defined here, once.
 """
@@ -18,12 +20,15 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import signal
+import stat
 import struct
 import time
 from typing import TYPE_CHECKING, Any
 
 from .results import read_status
+from .safefile import WrongKind, check_kind, open_fd, open_file
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -63,7 +68,7 @@ class RunLock:
         """Take the lock or raise :class:`RunDirInUse` naming the owner's pid."""
         try:
             os.makedirs(self.run_dir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)  # a link planted at .lock is refused, not truncated
         except OSError as exc:
             raise ValueError(f"cannot write to run directory {self.run_dir}: {exc.strerror}; pass --out with a "
                              f"writable directory") from None
@@ -96,9 +101,9 @@ class RunLock:
 
 def _read_owner(path: str) -> str | None:
     try:
-        with open(path) as fh:
+        with open_file(path) as fh:
             text = fh.read().strip()
-    except OSError:
+    except (OSError, ValueError):
         return None
     return text if text.isdigit() else None
 
@@ -107,8 +112,8 @@ def is_locked(run_dir: str) -> bool:
     """True when a live process holds ``run_dir``'s lock (probes without keeping it)."""
     path = os.path.join(run_dir, LOCK_NAME)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = open_fd(path, os.O_RDONLY)
+    except (OSError, WrongKind):
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -126,6 +131,46 @@ def run_status(run_dir: str) -> dict[str, Any] | None:
         status = {**status, "status": "interrupted",
                   "reason": "the process that ran it is gone (killed, or its machine stopped)"}
     return status
+
+
+#: What abtrain keeps in a run directory and the kind each must be (file: regular file, dir: directory).
+LAYOUT = {LOCK_NAME: "file", "status.json": "file", "config.json": "file", "results.json": "file",
+          "metrics.csv": "file", "model.pt": "file", "checkpoint": "dir", "tensorboard": "dir"}
+_CHECKPOINT_ENTRY = re.compile(r"(latest\.json)|(step-\d+)")
+
+
+def check_layout(run_dir: str) -> None:
+    """Refuse (ValueError, one line) a run directory where any path abtrain reads or writes is of the wrong kind:
+    a link, FIFO, socket or device instead of a regular file, a file where a directory belongs or the reverse.
+    The run directory itself must be a real directory (or not exist yet)."""
+    try:
+        mode = os.lstat(run_dir).st_mode
+    except OSError:
+        return  # not there yet (or not reachable: creating it says why)
+    if not stat.S_ISDIR(mode):
+        check_kind(run_dir, "dir")  # raises, naming what is there
+    for name, kind in LAYOUT.items():
+        check_kind(os.path.join(run_dir, name), kind)
+    root = os.path.join(run_dir, "checkpoint")
+    for name in _listdir(root):
+        m = _CHECKPOINT_ENTRY.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(root, name)
+        check_kind(path, "file" if m.group(1) else "dir")
+        if m.group(2):
+            for shard in _listdir(path):
+                if re.fullmatch(r"rank\d+\.pt", shard):
+                    check_kind(os.path.join(path, shard), "file")
+    for name in _listdir(os.path.join(run_dir, "tensorboard")):
+        check_kind(os.path.join(run_dir, "tensorboard", name), "file")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path)) if os.path.isdir(path) and not os.path.islink(path) else []
+    except OSError:
+        return []
 
 
 class StepBoard:
@@ -162,19 +207,6 @@ def signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies (a SIGKILLed launcher
-    must not leave workers training into a directory whose lock is free). A local worker's parent is the
-    launcher's fork server, which exits as soon as the launcher is gone."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
 
 
 def launch_id(environ: dict[str, str] | None = None) -> str | None:

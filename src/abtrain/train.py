@@ -24,6 +24,7 @@ from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
 from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, results_record, summary_table,
                       write_json, write_metrics_csv, write_status)
+from .safefile import open_file
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, topo: Topology, run_dir: str, resume: bool = False,
                  plan: Plan | None = None) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
+        os.makedirs(run_dir, exist_ok=True)  # now, once: a run directory removed later is not made again
         self.is_main = topo.rank == 0
         torch.set_num_threads(cfg.threads or max(1, len(os.sched_getaffinity(0)) // topo.local_world_size))
         plan = plan if plan is not None else preflight(cfg, topo.world_size, topo.local_world_size)
@@ -100,7 +102,7 @@ class Trainer:
         self.step += 1
         value = loss.detach().item()
         if not math.isfinite(value):
-            raise FloatingPointError(f"the training loss became {value} at step {self.step}"
+            raise ckpt.Diverged(f"the training loss became {value} at step {self.step}"
                                      f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
         self._train_loss_sum += value
         self._train_loss_count += 1
@@ -341,7 +343,7 @@ class Trainer:
 
     def _read_saved_config(self) -> dict[str, Any] | None:
         try:
-            with open(os.path.join(self.run_dir, "config.json")) as fh:
+            with open_file(os.path.join(self.run_dir, "config.json")) as fh:
                 saved = json.load(fh)
         except (OSError, ValueError):
             return None
@@ -352,7 +354,7 @@ class Trainer:
         self.wall = time.perf_counter() - self._start
         bad = self._non_finite()
         if bad is not None:
-            raise FloatingPointError(f"{bad} holds inf or nan after step {self.step}; no checkpoint written"
+            raise ckpt.Diverged(f"{bad} holds inf or nan after step {self.step}; no checkpoint written"
                                      f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
         good, loss = self.guard.judge()
         manifest = None
@@ -380,8 +382,8 @@ class Trainer:
                                  self.wall, int(rss[0].item()), comm, self.method.extra_results(), self.resumes, memory)
         bad = self._non_finite()
         if bad is not None:
-            raise FloatingPointError(f"{bad} holds inf or nan at the end of training"
-                                     f"{ckpt.last_good_note(self.run_dir)}")
+            raise ckpt.Diverged(f"{bad} holds inf or nan at the end of training"
+                                f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
         try:
             # Plain weights (W = A·B where low rank) that load into the model class; checkpoints keep the factors.
             ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.method.export())

@@ -21,18 +21,21 @@ from . import checkpoint as ckpt
 from .comm import CollectiveError
 from .config import TrainConfig
 from .lowrank import SVDError
-from .results import NoSpaceError, read_status, write_status
-from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard, die_with_parent
+from .results import NoSpaceError, RunDirGone, read_status, write_status
+from .lifeline import die_with_parent
+from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard
 from .topology import Topology
 from .plan import Plan, group_layout
 from .train import Trainer
 
 #: What a worker's error means: (kind in status.json, exit code, whether a restart may help).
 #: "input" and "diverged" repeat the same way on a restart; a lost peer or an unexpected error may not.
+#: "disk": the run's files cannot be written (a full disk, or the run directory was removed).
 ERROR_KINDS: tuple[tuple[type[BaseException], str, int, bool], ...] = (
-    (NoSpaceError, "no-space", EXIT_NO_SPACE, False),
+    (NoSpaceError, "disk", EXIT_NO_SPACE, False),
+    (RunDirGone, "disk", EXIT_NO_SPACE, False),
     (CollectiveError, "peer", EXIT_FAILED, True),
-    (FloatingPointError, "diverged", EXIT_FAILED, False),
+    (FloatingPointError, "diverged", EXIT_FAILED, False),  # also AB-training's weight that cannot be decomposed
     (ValueError, "input", EXIT_INPUT, False),
     (SVDError, "input", EXIT_INPUT, False),
 )
@@ -55,6 +58,15 @@ def classify(exc: BaseException) -> tuple[str, int, bool]:
     if wrapped_collective_error(exc) is not None:
         return "peer", EXIT_FAILED, True
     return "internal", EXIT_FAILED, True
+
+
+def as_divergence(exc: Exception, run_dir: str, lr: float) -> Exception:
+    """A divergence found outside the trainer (AB-training's SVD of a weight that holds inf or nan) as the
+    trainer's own: a :class:`~abtrain.checkpoint.Diverged` with the same advice (the last good checkpoint, and
+    how to continue from it with a lower --lr). Any other error as it is."""
+    if isinstance(exc, FloatingPointError) and not isinstance(exc, ckpt.Diverged):
+        return ckpt.Diverged(f"{exc}{ckpt.divergence_advice(run_dir, lr)}")
+    return exc
 
 
 def wrapped_collective_error(exc: BaseException) -> str | None:
@@ -96,7 +108,10 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if board is not None:
-        die_with_parent()
+        # The parent is the launcher's fork server (or the launcher itself, for spawned workers); one that is
+        # already gone by now would never send the death signal.
+        tie = sys.modules.get("abtrain.fork_server_tie")
+        die_with_parent(tuple(p for p in (launcher, getattr(tie, "SERVER_PID", None)) if p))
     cfg = TrainConfig.from_dict(cfg_dict)
     restarts = restart_count()
     if restarts:
@@ -115,11 +130,21 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
     try:
         topo = Topology.from_env(backend=cfg.backend, device=cfg.device, group_size=group_size,
                                  timeout_s=cfg.timeout)
-    except ValueError as exc:  # the launcher's preflight checks the same; under torchrun this is the first look
+    except Exception as exc:
+        # A ValueError: the launcher's preflight checks the same; under torchrun this is the first look. Anything
+        # else: the world could not be formed (a peer that never came within --timeout, an unreachable address).
+        if isinstance(exc, ValueError):
+            text, kind, retry, code = str(exc), "input", False, EXIT_INPUT
+        else:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            text = (f"worker {os.environ.get('RANK', '?')} could not join the world of {world} workers at "
+                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} within --timeout "
+                    f"{cfg.timeout:g} s: a peer never came, or cannot reach this one ({first})")
+            kind, retry, code = "peer", True, EXIT_FAILED
         if report:
-            print(f"abtrain: error: {exc}", file=sys.stderr, flush=True)
-        _fail(run_dir, str(exc), "input", False, None, exit_code=EXIT_INPUT)
-        raise SystemExit(EXIT_INPUT) from None
+            print(f"abtrain: error: {text}", file=sys.stderr, flush=True)
+        _fail(run_dir, text, kind, retry, None, exit_code=code)
+        raise SystemExit(code) from None
     if topo.rank == 0 and note is not None:
         print(f"abtrain: {note}", flush=True)
     try:
@@ -135,6 +160,7 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
         trainer.run()
         trainer.comm.barrier(topo.world)  # leave together: no worker tears down while a peer still talks
     except Exception as exc:
+        exc = as_divergence(exc, run_dir, cfg.lr)
         kind, code, retry = classify(exc)
         step = trainer.step if trainer is not None else None
         text = (wrapped_collective_error(exc) or str(exc)) if kind != "internal" else f"{type(exc).__name__}: {exc}"

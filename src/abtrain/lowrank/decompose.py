@@ -27,11 +27,15 @@ class SVDError(RuntimeError):
     """A weight could not be decomposed (non-finite values, or no SVD in float32 nor float64)."""
 
 
+class NonFiniteWeight(SVDError, FloatingPointError):
+    """The weight to decompose holds inf or nan: training diverged."""
+
+
 def svd(fp: FactorizedParam) -> SVD:
     """Thin SVD of the current W (viewed m×n) in float32, retried in float64 if float32 fails."""
     w = fp.effective_weight().reshape(fp.m, fp.n)
     if not torch.isfinite(w).all():
-        raise SVDError(f"cannot decompose {fp.name}: its weight holds inf or nan")
+        raise NonFiniteWeight(f"cannot decompose {fp.name}: its weight holds inf or nan")
     for dtype in (torch.float32, torch.float64):
         try:
             u, s, vh = torch.linalg.svd(w.to(dtype), full_matrices=False)

@@ -1,0 +1,94 @@
+"""The files of a run directory, opened without following symbolic links and checked to be what they should be.
+
+A run directory may sit where someone else can create entries (a shared scratch disk, ``/tmp``). A link planted
+at ``RUN_DIR/.lock`` would make a plain ``open(O_CREAT)`` truncate the file it points to, and a FIFO would block
+a read forever. So every file abtrain opens in a run directory is opened with ``O_NOFOLLOW`` (and
+``O_NONBLOCK``, so a FIFO cannot hang the open) and checked with ``fstat`` to be a regular file, and every
+directory it writes into is checked with ``lstat`` to be a real directory. Writes replace files by
+``rename`` (:func:`abtrain.results.atomic_write`), which replaces a link itself, never its target.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from typing import IO, Any
+
+__all__ = ["WrongKind", "check_kind", "make_dir", "open_fd", "open_file", "regular_size"]
+
+
+class WrongKind(ValueError):
+    """A path in a run directory is not the kind of file abtrain reads or writes there (a link, a FIFO, ...)."""
+
+
+def _what(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+                       (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "an unknown kind of file"
+
+
+def _wrong(path: str, mode: int, want: str) -> WrongKind:
+    return WrongKind(f"{path} is {_what(mode)}, not {'a directory' if want == 'dir' else 'a regular file'}: abtrain "
+                     f"neither follows nor replaces it; remove it, or pass another run directory")
+
+
+def check_kind(path: str, want: str) -> bool:
+    """True when ``path`` exists as ``want`` (``"file"``: a regular file, ``"dir"``: a directory, links not
+    followed), False when it does not exist; :class:`WrongKind` when it is anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if not (stat.S_ISDIR(mode) if want == "dir" else stat.S_ISREG(mode)):
+        raise _wrong(path, mode, want)
+    return True
+
+
+def open_fd(path: str, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` of a regular file that is never a link's target, nor a FIFO or a device: WrongKind otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOTDIR):
+            check_kind(path, "file")  # says what is there instead
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _wrong(path, st.st_mode, "file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file(path: str, mode: str = "r") -> IO[Any]:
+    """A regular file opened for reading (``"r"`` or ``"rb"``), links not followed."""
+    if mode not in ("r", "rb"):
+        raise ValueError(f"open_file reads only, got mode {mode!r}")
+    return os.fdopen(open_fd(path, os.O_RDONLY), mode)
+
+
+def regular_size(path: str) -> int:
+    """The size of a regular file (FileNotFoundError when missing, WrongKind when not a regular file)."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _wrong(path, st.st_mode, "file")
+    return st.st_size
+
+
+def make_dir(path: str) -> None:
+    """Create directory ``path`` in an existing parent, or accept a real directory already there (never a link).
+
+    Only the last component is created: a run directory removed during a run is not silently made again
+    (FileNotFoundError instead)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        check_kind(path, "dir")
