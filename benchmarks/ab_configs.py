@@ -86,6 +86,12 @@ for name, flags in configs:
         "global_share_of_ref": stats([a / b for a, b in zip(glob, ref_glob)]) if refs else None,
         "wall_seconds": stats([r["wall_seconds"] for r in runs]),
         "compression_ratio": [r.get("compression_ratio") for r in runs],
+        "model_params": [r.get("model_params", r["params"]) for r in runs],
+        # the most a worker held after a step, and as a multiple of DDP's for the same model
+        "training_state_bytes": [r.get("training_state_bytes") for r in runs],
+        "state_vs_ddp": [r["training_state_bytes"] / r["ddp_equivalent"]["training_state_bytes"]
+                         if r.get("training_state_bytes") and r["ddp_equivalent"].get("training_state_bytes")
+                         else None for r in runs],
         "ranks": [[{"step": d["step"], "ratio": d["compression_ratio"], "layers": d["layers"]}
                    for d in r.get("ranks", [])] for r in runs],
     }
@@ -95,17 +101,18 @@ unit = "ppl" if metric == "test_perplexity" else "%"
 scale = 1.0 if metric == "test_perplexity" else 100.0
 print(f"\n{workload.description}; seeds {args.seeds}; mean (spread max-min); reference {ref_name}")
 print(f"{'config':14} {metric:>18} {'vs ref':>16} {'global wire':>20} {'share of ref':>16} {'compression':>14}"
-      f"  per seed")
+      f" {'state vs DDP':>13}  per seed")
 for r in rows:
     v, dv = r[metric]
     g, dg = r["global_wire_bytes"]
     d = r["delta_vs_ref"]
     sh = r["global_share_of_ref"]
-    comp = ",".join(f"{c:.1f}" for c in r["compression_ratio"] if c) or "-"
+    comp = ",".join(f"{c:.2f}" for c in r["compression_ratio"] if c) or "-"
+    state = ",".join(f"{x:.2f}" for x in r["state_vs_ddp"] if x) or "-"
     print(f"{r['config']:14} {scale * v:9.2f} {unit} ±{scale * dv:4.2f} "
           f"{(f'{scale * d[0]:+7.2f} ±{scale * d[1]:4.2f}') if d else '-':>16} "
           f"{g / 1e6:10.1f} MB ±{dg / 1e6:6.1f} {(f'{100 * sh[0]:6.2f}% ±{100 * sh[1]:4.2f}') if sh else '-':>16} "
-          f"{comp:>14}  " + ", ".join(f"{scale * x:.{3 if unit == 'ppl' else 2}f}" for x in r[f"{metric}_per_seed"]))
+          f"{comp:>14} {state:>13}  " + ", ".join(f"{scale * x:.{3 if unit == 'ppl' else 2}f}" for x in r[f"{metric}_per_seed"]))
 for r in rows:
     for seed, decomps in zip(r["seeds"], r["ranks"]):
         if decomps:
@@ -120,3 +127,25 @@ with open(os.path.join(out, "ab_configs.json"), "w") as fh:
     json.dump({"command": " ".join(shlex.quote(a) for a in argv), "workload": workload.description,
                "metric": metric, "rows": rows}, fh, indent=2)
 print(f"\nwrote {os.path.join(out, 'ab_configs.json')}")
+
+# -- the front: metric against global bytes, each point's compression written beside it ----------------
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # the plots extra is not installed: the table and JSON are the result
+    sys.exit(0)
+fig, ax = plt.subplots(figsize=(7, 4.5))
+for r in rows:
+    x, y = r["global_wire_bytes"][0] / 1e6, scale * r[metric][0]
+    comp = [c for c in r["compression_ratio"] if c]
+    label = f"{r['config']} ({sum(comp) / len(comp):.1f}:1)" if comp else r["config"]
+    ax.errorbar(x, y, yerr=scale * r[metric][1] / 2, fmt="o", capsize=3, label=label)
+ax.set_xscale("log")
+ax.set_xlabel("global wire bytes per worker (MB, log)")
+ax.set_ylabel(f"{'test perplexity' if unit == 'ppl' else 'test accuracy (%)'} (mean; bar: spread of the seeds)")
+ax.set_title(f"{workload.name}: accuracy, bytes and compression (seeds {args.seeds})", fontsize=10)
+ax.legend(fontsize=7)
+fig.tight_layout()
+fig.savefig(os.path.join(out, "front.png"), dpi=110)
+print(f"wrote {os.path.join(out, 'front.png')}")
