@@ -64,7 +64,8 @@ def test_bench_end_to_end_with_a_failing_method(tmp_path):
     md = (out / "report.md").read_text()
     assert f"- abtrain {__version__}, torch {torch.__version__}" in md
     assert "| diloco | **failed** |" in md and "diloco failed" in md and "a model, not a measurement" in md
-    for png in ("accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_scope.png", "bytes_by_phase.png"):
+    for png in ("accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_scope.png", "bytes_by_phase.png",
+                "model_and_state.png"):
         assert (out / png).read_bytes().startswith(PNG)
 
 

@@ -63,6 +63,7 @@ def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion
     r = json.loads((out / "results.json").read_text())
     assert (r["method"], r["world_size"], r["group_size"]) == ("ab", 4, 2)
     assert "one node of 4 workers: 2 groups of 2" in p.stdout
+    assert "WARNING" not in p.stderr and "rose" not in p.stdout  # nothing to warn about in its own defaults
     ddp = 12 * 2 * 3 / 4 * 4 * r["params"]  # 12 steps of a ring all-reduce of fp32 gradients over 4 workers
     assert r["ddp_equivalent"] == {"wire_bytes": pytest.approx(ddp), "global_wire_bytes": pytest.approx(ddp),
                                    "training_state_bytes": 3 * 4 * r["params"]}  # SGD with momentum

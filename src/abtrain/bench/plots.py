@@ -100,5 +100,27 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
     fig.savefig(os.path.join(out, "bytes_by_phase.png"), dpi=120)
     plt.close(fig)
     written.append("bytes_by_phase.png")
+
+    # What each method holds against the dense model: its model's parameters and its training state, both as a
+    # share of DDP's (below 1: smaller than DDP's).
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (field, label) in enumerate((("model_share", "model parameters / dense"),
+                                        ("state_vs_ddp", "training state / DDP's"))):
+        values = [(1 / r["compression_ratio"] if r.get("compression_ratio") else 1.0) if field == "model_share"
+                  else (r.get("state_vs_ddp") or float("nan")) for r in runs]
+        xs = [k + (i - 0.5) * width for k in range(len(runs))]
+        bars = ax.bar(xs, values, width, label=label)
+        for bar, v in zip(bars, values):
+            if v == v:
+                ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=6)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(runs)), [r["method"] for r in runs])
+    ax.set_ylabel("share of the dense model / of DDP")
+    ax.set_title(f"{title}: model size and training state", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "model_and_state.png"), dpi=120)
+    plt.close(fig)
+    written.append("model_and_state.png")
     report["plots"] = written
     return written

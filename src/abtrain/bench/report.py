@@ -165,7 +165,8 @@ def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome
         "pareto_front": sorted(front),
         "methods": rows,
         "projection": projection,
-        "plots": ["accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_scope.png", "bytes_by_phase.png"],
+        "plots": ["accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_scope.png", "bytes_by_phase.png",
+                  "model_and_state.png"],
     }
 
 
