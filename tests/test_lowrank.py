@@ -216,9 +216,11 @@ def test_full_rank_decompose_reconstructs(cls):
     with torch.no_grad():
         assert _rel(model(x), ref) <= 1e-5
     for fp in records:
+        product = (fp.A @ fp.B).reshape(fp.shape).detach()
         lr.recompose(fp)
         assert fp.mode == "full"
-        assert torch.equal(fp.weight, (fp.A @ fp.B).reshape(fp.shape))
+        assert torch.equal(fp.weight, product)
+        assert fp.rank == 0 and fp.A.numel() == fp.B.numel() == 0  # a full-rank layer costs W alone
 
 
 def test_tangent_merge_with_the_core_halved_is_one_step_along_the_tangent_space():

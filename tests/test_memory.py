@@ -26,6 +26,7 @@ def test_a_dense_model_holds_what_the_formula_says(make_opt, moments):
     opt = make_opt(model.parameters())
     params = sum(p.numel() for p in model.parameters())
     assert training_state_bytes(model, opt) == 4 * params  # before a step: no gradients, no state
+    assert moments_per_element(opt) == moments  # read from the settings before the first step
     _step(model, opt)
     assert moments_per_element(opt) == moments
     # Adam's step counts are scalars of 4 bytes each (one per parameter tensor), not per-element state

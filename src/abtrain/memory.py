@@ -98,7 +98,12 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | No
 
 def moments_per_element(optimizer: torch.optim.Optimizer) -> int:
     """How many per-element state tensors the optimizer keeps for a parameter (SGD momentum 1, Adam 2, plain SGD 0),
-    read from its state: the most any parameter has."""
+    read from its state (the most any parameter has), or before its first step from its settings."""
+    if not optimizer.state:
+        group = optimizer.param_groups[0]
+        if "betas" in group:  # the Adam family: two moments, a third with amsgrad
+            return 3 if group.get("amsgrad") else 2
+        return 1 if group.get("momentum", 0) else 0
     most = 0
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -264,7 +264,7 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
     (:func:`tangent_parts` of a change that arrived as P·Qᵀ): the same W up to rounding, in
     m·n·(r+q) + m·r² multiply-adds where basis, change and a halved core take about
     3·m·n·r + (m+n)·r² (the wide model's fc1 at rank 660, q = 64: 1.6 G against 4.3 G).
-    A and B keep their values (and optimizer state); their grads are cleared.
+    A and B hold no numbers afterwards (their optimizer state stays); their grads are cleared.
     """
     if fp.rank == 0:
         raise ValueError(f"{fp.name} has no factors to recompose; call decompose first")
@@ -292,6 +292,10 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
             merged = start @ vh + change
         w.copy_(merged.reshape(fp.shape).to(w.dtype))
     _set_grads_none(fp.A, fp.B, w)
+    # The factors' values are replaced by the next decomposition, so they hold no numbers in between (their
+    # optimizer state stays, for the next decomposition to resize or map): a full-rank layer costs W alone.
+    replace_data(fp.A, fp.A.new_empty(fp.m, 0))
+    replace_data(fp.B, fp.B.new_empty(0, fp.n))
     fp.param.note = "recomposed"
     set_mode([fp], "full")
 

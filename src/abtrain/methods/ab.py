@@ -29,12 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import lowrank
 from ..comm import Communicator
 from ..grad_buckets import OverlappedAverage
+from ..memory import moments_per_element
 from ..reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
 from ..topology import Topology
 from .ab_config import TANGENT_CORES, ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
 from .ab_sync import average_models, full_rank_tensors
-from ..memory import moments_per_element
 from .base import Method, optimizer_moments
 from .registry import MethodSpec, register
 
@@ -311,17 +311,44 @@ class ABTraining(Method):
         self.svd_counts["full"] += 1
         return lowrank.svd(fp)
 
+    def _cap_ranks(self, records: list[lowrank.FactorizedParam], chosen: list[int | None],
+                   optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Lower each chosen rank (None: full) to --ab-rank-cap's bound, in place; the rank each capped layer's
+        rule chose, by name. The bound depends on the shape and the optimizer only, so every worker agrees."""
+        if self.cfg.rank_cap == "none":
+            return {}
+        moments = moments_per_element(optimizer)
+        capped = {}
+        for i, fp in enumerate(records):
+            wanted = chosen[i] if chosen[i] is not None else min(fp.m, fp.n)
+            cap = self._rank_cap(fp, moments)
+            if wanted > cap:
+                chosen[i], capped[fp.name] = cap, wanted
+        return capped
+
     def _rank_cap(self, fp: lowrank.FactorizedParam, moments: int) -> int:
         """The most rank --ab-rank-cap lets the layer keep (never below the rank floor)."""
         if self.cfg.rank_cap == "pays":
             cap = lowrank.paying_rank(fp.m, fp.n)
-        else:
-            # the warm-start Qs the layer keeps: the sync compressor's and the full-rank phases' PowerSGD's
-            extra = sum(q * fp.n for q, used in ((self.cfg.sync_rank, self._compressor is not None),
-                                                            (self.cfg.powersgd_rank, self.cfg.dense_comm == "powersgd"))
-                        if used)
-            cap = lowrank.state_rank(fp.m, fp.n, moments, memory=self._compressor is not None, extra=extra)
+        else:  # the warm-start Qs the layer keeps too: the sync compressor's and the full-rank phases' PowerSGD's
+            qs = [(self.cfg.sync_rank, self._compressor is not None),
+                  (self.cfg.powersgd_rank, self.cfg.dense_comm == "powersgd")]
+            cap = lowrank.state_rank(fp.m, fp.n, moments, memory=self._compressor is not None,
+                                     extra=sum(q * fp.n for q, used in qs if used))
         return max(cap, min(self.cfg.min_rank, fp.m, fp.n))
+
+    def _say_capped(self, records: list[lowrank.FactorizedParam], capped: dict[str, int]) -> None:
+        """Rank 0 says, once per layer, the first time the cap lowers its rank, and why."""
+        for fp in records:
+            wanted = capped.get(fp.name)
+            if wanted is None or fp.mode != "lowrank" or fp.name in self._capped_said:
+                continue
+            self._capped_said.add(fp.name)
+            why = (f"factors of rank {wanted} would hold {wanted * (fp.m + fp.n)} numbers, W {fp.m * fp.n}"
+                   if self.cfg.rank_cap == "pays" else
+                   "a higher rank would hold more training state than DDP holds for W")
+            self.say(f"AB-training: {fp.name} at rank {fp.rank}, not the {wanted} its rule chose: {why} "
+                     "(--ab-rank-cap)")
 
     def _trained_role(self) -> str:
         return "B" if self.cfg.sync == "only-b" else self.role
@@ -343,25 +370,11 @@ class ABTraining(Method):
             else:
                 chosen = [None] * len(records)
                 min_compression = None
-            capped = {}
-            if self.cfg.rank_cap != "none":
-                moments = moments_per_element(optimizer)
-                for i, fp in enumerate(records):
-                    wanted = chosen[i] if chosen[i] is not None else min(fp.m, fp.n)
-                    cap = self._rank_cap(fp, moments)
-                    if wanted > cap:
-                        chosen[i], capped[fp.name] = cap, wanted
+            capped = self._cap_ranks(records, chosen, optimizer)
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
             self._factorise(records, chosen, svds, optimizer, min_compression)
-            for fp in records:  # said once per layer, the first time the cap cuts it
-                if fp.name in capped and fp.mode == "lowrank" and fp.name not in self._capped_said:
-                    self._capped_said.add(fp.name)
-                    why = (f"factors of rank {capped[fp.name]} would hold {capped[fp.name] * (fp.m + fp.n)} numbers, "
-                           f"W {fp.m * fp.n}" if self.cfg.rank_cap == "pays" else
-                           "a higher rank would hold more training state than DDP holds for W")
-                    self.say(f"AB-training: {fp.name} at rank {fp.rank}, not the {capped[fp.name]} its rule chose: "
-                             f"{why} (--ab-rank-cap)")
+            self._say_capped(records, capped)
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
         self.ranks.append({"step": self.t, "layers": {fp.name: (fp.rank if fp.mode == "lowrank" else None)
