@@ -412,6 +412,7 @@ class ABTraining(Method):
                               frozen_orthonormal=self.cfg.svd == "update")
         lowrank.set_trainable(self.records, self._trained_role())
         self._keep_bases(records, svds)
+        self.note_state_change()
         sched = self._sched()
         if sched.rebound == 0 and sched.final_rebound == 0:
             # No full-rank step follows: W's optimizer state (from the warm-up) would never be read again.
@@ -432,6 +433,7 @@ class ABTraining(Method):
         """Average the groups into one model; ``last``: no sync follows in this run."""
         start = time.perf_counter()
         self.syncs += 1
+        self.note_state_change()
         low = [fp for fp in self.records if fp.mode == "lowrank"]
         if self.cfg.optimizer_state == "map":
             self._frozen = {fp.name: (fp.B if self._trained_role() == "A" else fp.A).detach().clone() for fp in low}

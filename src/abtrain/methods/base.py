@@ -51,6 +51,8 @@ class Method:
         #: by phase (the ledger's label of the step), the most bytes of training state this worker held after a
         #: step of that phase, by part (:mod:`abtrain.memory`)
         self.peak_state: dict[str, dict[str, int]] = {}
+        self._measure_steps = 0  # steps still to measure since the state last changed shape (see note_state_change)
+        self._measured_phase: str | None = None
 
     @property
     def phase(self) -> str:
@@ -114,12 +116,22 @@ class Method:
         # What the optimizer uses in this step, after any change the method made (AB's LR ramp).
         self.last_lrs = [g["lr"] for g in optimizer.param_groups]
 
+    def note_state_change(self) -> None:
+        """What the worker holds may change shape now (a sync, a decomposition): measure it after this step and
+        the next (whose backward creates the gradients of the new shapes)."""
+        self._measure_steps = 2
+
     def _post_step(self, optimizer: torch.optim.Optimizer) -> None:
         phase = self.phase
         self.after_step(optimizer)
-        # After the method's own step: a sync or decomposition has changed what the worker holds by then, and the
-        # gradients of the step just taken are still there (the next zero_grad frees them).
-        if self.module is not None:
+        if phase != self._measured_phase:  # the first steps of the run and of every phase
+            self._measured_phase = phase
+            self.note_state_change()
+        # Between those events the tensors keep their shapes, so the walk (about a millisecond for a hundred
+        # parameters) stays off the other steps. Measured after the method's own step: a sync or decomposition has
+        # changed what the worker holds by then, and this step's gradients are still there (zero_grad frees them).
+        if self._measure_steps and self.module is not None:
+            self._measure_steps -= 1
             parts = training_state_parts(self.module, optimizer, self)
             if sum(parts.values()) > sum(self.peak_state.get(phase, {}).values()):
                 self.peak_state[phase] = parts
@@ -313,6 +325,7 @@ class PeriodicMethod(Method):
 
     def _synchronize(self) -> None:
         self.synchronize()
+        self.note_state_change()
         self.syncs += 1
         self._last_sync = self.t
 
