@@ -15,6 +15,19 @@ def ordered_phases(names: set[str]) -> list[str]:
 SCOPES = (("global", "between groups (global)"), ("group", "inside groups"))
 
 
+def _paired_bars(ax: Any, runs: list[dict[str, Any]], series: list[tuple[str, list[float]]], fmt: str) -> None:
+    """Two bars per method side by side, each labelled with its value (a value of 0 or less draws no bar)."""
+    width = 0.4
+    for i, (label, values) in enumerate(series):
+        xs = [k + (i - 0.5) * width for k in range(len(runs))]
+        bars = ax.bar(xs, [v if v > 0 else float("nan") for v in values], width, label=label)
+        for bar, v in zip(bars, values):
+            if v > 0:
+                ax.annotate(fmt.format(v), (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom",
+                            fontsize=6)
+    ax.set_xticks(range(len(runs)), [r["method"] for r in runs])
+
+
 def write_plots(report: dict[str, Any], out: str) -> list[str]:
     """Metric vs cumulative global bytes (log axis), metric vs wall time, bytes per scope (log axis) and bytes per
     phase with the two scopes apart; returns the file names."""
@@ -57,15 +70,8 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
     # Global and in-group bytes side by side per method, on a log axis: methods differ by orders of magnitude,
     # and a byte inside a node costs far less than one between nodes.
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    width = 0.4
-    for i, (scope, scope_label) in enumerate(SCOPES):
-        values = [r["global_wire_bytes" if scope == "global" else "group_wire_bytes"] / 1e6 for r in runs]
-        xs = [k + (i - 0.5) * width for k in range(len(runs))]
-        bars = ax.bar(xs, [v if v > 0 else float("nan") for v in values], width, label=scope_label)
-        for bar, v in zip(bars, values):
-            if v > 0:
-                ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=6)
-    ax.set_xticks(range(len(runs)), [r["method"] for r in runs])
+    _paired_bars(ax, runs, [(label, [r["global_wire_bytes" if scope == "global" else "group_wire_bytes"] / 1e6
+                                     for r in runs]) for scope, label in SCOPES], "{:.3g}")
     ax.set_yscale("log")
     positive = [r[k] / 1e6 for r in runs for k in ("global_wire_bytes", "group_wire_bytes") if r[k] > 0]
     if positive:  # bars start at the axis: leave a decade below the smallest so that it is not a sliver
@@ -104,17 +110,10 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
     # What each method holds against the dense model: its model's parameters and its training state, both as a
     # share of DDP's (below 1: smaller than DDP's).
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (field, label) in enumerate((("model_share", "model parameters / dense"),
-                                        ("state_vs_ddp", "training state / DDP's"))):
-        values = [(1 / r["compression_ratio"] if r.get("compression_ratio") else 1.0) if field == "model_share"
-                  else (r.get("state_vs_ddp") or float("nan")) for r in runs]
-        xs = [k + (i - 0.5) * width for k in range(len(runs))]
-        bars = ax.bar(xs, values, width, label=label)
-        for bar, v in zip(bars, values):
-            if v == v:
-                ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=6)
+    _paired_bars(ax, runs, [
+        ("model parameters / dense", [1 / r["compression_ratio"] if r.get("compression_ratio") else 1.0 for r in runs]),
+        ("training state / DDP's", [r.get("state_vs_ddp") or 0.0 for r in runs])], "{:.2f}")
     ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xticks(range(len(runs)), [r["method"] for r in runs])
     ax.set_ylabel("share of the dense model / of DDP")
     ax.set_title(f"{title}: model size and training state", fontsize=9)
     ax.legend(fontsize=8)
