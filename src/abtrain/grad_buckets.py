@@ -48,6 +48,8 @@ class OverlappedAverage:
         self._next = 0  # the bucket that starts next
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[torch.Tensor]]] = []
         self._stale = False
+        #: inside the user's no_sync(): gradients accumulate locally, no bucket starts
+        self.paused = False
 
     def watch(self, params: Sequence[torch.Tensor]) -> None:
         """Average these parameters' gradients from the next backward on (no change if they are already watched)."""
@@ -80,7 +82,7 @@ class OverlappedAverage:
         self._stale = False
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        if self._group is None:
+        if self._group is None or self.paused:
             return
         index = self._bucket_of[id(param)]
         if index < self._next:

@@ -18,8 +18,10 @@ optimizer steps ``t`` and, by default, scales with the run (the fractions of
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ class ABTraining(Method):
     """AB-training around the user's optimizer. See the module docstring for the schedule."""
 
     name = "ab"
+    averages_gradients = True
 
     def __init__(self, comm: Communicator, topo: Topology, config: ABConfig | None = None, **options: Any) -> None:
         super().__init__(comm, topo)
@@ -74,7 +77,6 @@ class ABTraining(Method):
         self.t = 0  # optimizer steps taken
         self.schedule: Schedule | None = None
         self._switch_step: int | None = None  # step of the last phase switch, for the LR rebound
-        self._reduced = False
         self._saved_lrs: list[float] = []
         self._output_hook: Any = None
         self.output_searched = False  # the first training forward looked for the output layer
@@ -135,6 +137,7 @@ class ABTraining(Method):
 
     # -- preparation -------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
+        model = self.unwrap(model)  # torch.compile's wrapper: its module is factorised, the wrapper returned
         if isinstance(model, DistributedDataParallel):
             # DDP would all-reduce every gradient over the world and fight the groups; its own hooks stay
             # idle when its forward is not called, so training the inner module is safe.
@@ -205,6 +208,21 @@ class ABTraining(Method):
     def _unhook(self) -> None:
         super()._unhook()
         self.overlap.close()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally inside the block: no bucket of the in-group averaging starts."""
+        with super().no_sync():
+            self.overlap.paused = True
+            try:
+                yield
+            finally:
+                self.overlap.paused = False
+
+    def _resumed(self) -> None:
+        if self._attached is not None:  # the restored step may be an AB step: arm its in-group averaging
+            self._optimizer = self._attached[0]
+            self._watch_gradients()
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.reduce_gradients()

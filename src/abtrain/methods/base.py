@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -15,6 +17,7 @@ from .. import lowrank
 from ..comm import Communicator
 from ..memory import training_state_parts
 from ..topology import Topology
+from .loop import DDP_AROUND, STATE_KEY, BackwardWatch, EagerFirstForward, compiled_inner, ddp_calling
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,9 @@ class Method:
     """
 
     name = "base"
+    #: the method averages the gradients itself (:meth:`reduce_gradients`): it does so at the end of every
+    #: backward pass outside :meth:`no_sync`, so ``.grad`` holds the averaged gradient when ``backward()`` returns
+    averages_gradients = False
 
     def __init__(self, comm: Communicator, topo: Topology) -> None:
         self.comm = comm
@@ -53,17 +59,94 @@ class Method:
         self.peak_state: dict[str, dict[str, int]] = {}
         self._measure_steps = 0  # steps still to measure since the state last changed shape (see note_state_change)
         self._measured_phase: str | None = None
+        self.steps = 0  # optimizer steps taken while attached
+        self._reduced = False  # the gradients in .grad are averaged (a gradient accumulated since clears it)
+        self._no_sync = 0  # depth of no_sync() blocks
+        self._backward = BackwardWatch(self._grad_accumulated, self._backward_done)
+        self._first_forward = EagerFirstForward()
+        self._forward_hook: Any = None
+        self._loaded_state: dict[str, Any] | None = None
+        self._awaiting_state = False  # the model was loaded while attached, the method's state not (yet)
+        self.compiled: nn.Module | None = None  # torch.compile's wrapper the model came in, if any
+        self.ddp: DistributedDataParallel | None = None  # the one the method itself built (method "ddp")
 
     @property
     def phase(self) -> str:
         return "train"
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Make every worker start from rank 0's parameters and buffers; return the module to call."""
+        """Make every worker start from rank 0's parameters and buffers; return the module to call.
+
+        ``torch.compile(model)`` is accepted: its module is prepared and the compiled wrapper returned.
+        """
+        model = self.unwrap(model)
         self.module = model
         with self.comm.ledger.in_phase("setup"):
             self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()), self.topo.world, src=0)
+        self._hook_module(model)
+        return self.compiled if self.compiled is not None else model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside a ``torch.compile`` wrapper (kept in :attr:`compiled`, returned by prepare)."""
+        inner = compiled_inner(model)
+        if inner is not None:
+            self.compiled = model
+            return inner
         return model
+
+    def _hook_module(self, model: nn.Module) -> None:
+        """What the prepared module does for the method: its first training forward runs eagerly and checks that no
+        DistributedDataParallel calls it; a state loaded into it while attached expects the method's state too."""
+        if self._forward_hook is None:
+            self._first_forward.start()
+            self._forward_hook = model.register_forward_pre_hook(self._first_training_forward)
+            # torch marks the hooks it is given with an attribute, which a bound method cannot take: wrap them
+            model.register_load_state_dict_post_hook(functools.partial(Method._model_loaded, self))
+
+    def _first_training_forward(self, module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self._forward_hook.remove()
+        caller = ddp_calling(module)
+        if caller is not None and caller is not self.ddp:
+            self._first_forward.stop()
+            raise RuntimeError(DDP_AROUND)
+        handle: list[Any] = []
+
+        def finished(*_: Any) -> None:  # the first forward has run eagerly: compile from the next call on
+            handle[0].remove()
+            self._first_forward.stop()
+
+        handle.append(module.register_forward_hook(finished, always_call=True))
+
+    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        if self._attached is not None:
+            self._awaiting_state = True  # a resume: the optimizer's state_dict should bring the method's (_pre_step)
+
+    def _save_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        state[STATE_KEY] = {"method": self.name, "state": self.state_dict(), "steps": self.steps,
+                            "ledger": self.comm.ledger.state_dict()}
+
+    def _take_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        state = dict(state)  # the caller's dict stays as it was
+        self._loaded_state = state.pop(STATE_KEY, None)
+        return state
+
+    def _restore_state(self, optimizer: torch.optim.Optimizer) -> None:
+        saved, self._loaded_state = self._loaded_state, None
+        if saved is None:
+            return
+        if saved["method"] != self.name:
+            raise ValueError(f"the checkpoint was saved by method {saved['method']!r}, this run uses "
+                             f"{self.name!r}: resume with the method that wrote it")
+        self.load_state_dict(saved["state"])
+        self.steps = saved["steps"]
+        self.comm.ledger.load_state_dict(saved["ledger"])
+        self._awaiting_state = False
+        self._resumed()
+
+    def _resumed(self) -> None:
+        """Runs after the method's state was restored from a checkpoint (the method may re-arm its hooks)."""
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "Attachment":
         """Hook the method into ``optimizer`` until :meth:`detach`; also usable as ``with method.attach(opt):``.
@@ -75,7 +158,11 @@ class Method:
         if self._attached is not None:
             raise ValueError("the method is already attached to an optimizer: call method.detach() first")
         handles = [optimizer.register_step_pre_hook(lambda *_: self._pre_step(optimizer)),
-                   optimizer.register_step_post_hook(lambda *_: self._post_step(optimizer))]
+                   optimizer.register_step_post_hook(lambda *_: self._post_step(optimizer)),
+                   # the method's state travels in the optimizer's state_dict: model + optimizer is a checkpoint
+                   optimizer.register_state_dict_post_hook(functools.partial(Method._save_state, self)),
+                   optimizer.register_load_state_dict_pre_hook(functools.partial(Method._take_state, self)),
+                   optimizer.register_load_state_dict_post_hook(functools.partial(Method._restore_state, self))]
         self._attached = (optimizer, handles)
         try:
             self.start(optimizer)
@@ -83,6 +170,7 @@ class Method:
             self._unhook()
             raise
         self.comm.ledger.follow(self)  # the ledger labels unlabelled traffic with self.phase from here on
+        self._watch_backward()
         return Attachment(self)
 
     def detach(self, finalize: bool = True) -> None:
@@ -106,12 +194,43 @@ class Method:
             for h in self._attached[1]:
                 h.remove()
             self._attached = None
+        self._backward.close()
 
     @property
     def attached(self) -> bool:
         return self._attached is not None
 
+    def _watch_backward(self) -> None:
+        """Follow the trainable parameters (a decomposition may have made new ones) for the end of backward."""
+        if self.averages_gradients and self.module is not None and self._attached is not None:
+            self._backward.watch([p for p in self.module.parameters() if p.requires_grad])
+
+    def _grad_accumulated(self) -> None:
+        self._reduced = False
+
+    def _backward_done(self) -> None:
+        """The end of a backward pass: average now, as DDP does, unless inside no_sync()."""
+        if self._attached is not None and not self._no_sync:
+            self.reduce_gradients()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As DDP's ``no_sync()``: backward passes inside the block accumulate ``.grad`` locally and send nothing;
+        the first backward after it (or the optimizer step) averages the accumulated gradient."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
+
     def _pre_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._awaiting_state:
+            self._awaiting_state = False
+            if self.topo.rank == 0:
+                log.warning("abtrain: a state_dict was loaded into the prepared model after attach(), but no %s "
+                            "state came with it: the method goes on from its step %d, not the checkpoint's. Load "
+                            "the optimizer's state_dict (saved while attached: it carries the method's) after "
+                            "attach(); starting weights load before attach()", self.name, self.steps)
         self.before_step(optimizer)
         # What the optimizer uses in this step, after any change the method made (AB's LR ramp).
         self.last_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -124,6 +243,9 @@ class Method:
     def _post_step(self, optimizer: torch.optim.Optimizer) -> None:
         phase = self.phase
         self.after_step(optimizer)
+        self._reduced = False
+        self.steps += 1
+        self._watch_backward()
         if phase != self._measured_phase:  # the first steps of the run and of every phase
             self._measured_phase = phase
             self.note_state_change()
@@ -262,6 +384,7 @@ class Method:
             log.warning("method closed while attached and the workers' models differ: call method.detach() "
                         "before close() to end with one model on every worker")
         self._unhook()
+        self._first_forward.stop()
         self.topo.close()
 
     def extra_results(self) -> dict[str, Any]:
@@ -375,13 +498,14 @@ class GradientMethod(Method):
     optimizer the same gradient and the models stay identical.
     """
 
+    averages_gradients = True
+
     def __init__(self, comm: Communicator, topo: Topology, warmup_steps: int) -> None:
         super().__init__(comm, topo)
         self.warmup_steps = warmup_steps
         self.t = 0  # optimizer steps taken
         self.params: list[nn.Parameter] = []
         self.numels: list[int] = []
-        self._reduced = False
 
     @property
     def phase(self) -> str:

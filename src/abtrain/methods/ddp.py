@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -61,7 +63,14 @@ class DDPMethod(Method):
             **_no_buffer_broadcast,
         )
         ReducerHook(model, self.bucket_reducer, self.topo.world, self.after_backward).register(ddp)
+        self.ddp = ddp
         return ddp
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's own ``no_sync()``: its buckets wait for the first backward after the block."""
+        with super().no_sync(), (self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()):
+            yield
 
     def extra_results(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.bucket_cap_mb}

@@ -48,6 +48,7 @@ class HLocalSGD(PeriodicMethod):
     """Group-wise DP every step (phase ``local``); parameters, buffers and moments averaged every ``h`` steps (``average``)."""
 
     name = "hlocalsgd"
+    averages_gradients = True
     local_phase, sync_phase = "local", "average"
 
     def __init__(self, comm: Communicator, topo: Topology, config: HLocalSGDConfig | None = None,
@@ -55,7 +56,6 @@ class HLocalSGD(PeriodicMethod):
         self.cfg = config if config is not None else HLocalSGDConfig(**options)
         super().__init__(comm, topo, self.cfg.h)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._reduced = False
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients inside the group (idempotent per step)."""

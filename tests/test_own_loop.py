@@ -1,0 +1,235 @@
+"""What a user's own loop relies on, as under DDP: the averaged gradient in .grad when backward() returns
+(clipping), no_sync() for accumulation, torch.compile in both orders, resuming from the model's and the
+optimizer's state_dicts, and no DistributedDataParallel whose bytes the ledger cannot see."""
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abtrain
+
+from helpers import run_world
+
+STEPS = 24
+AB = {"warmup_steps": 4, "cycle_steps": 6, "rebound_steps": 2}  # warm-up, AB phases, a sync every 6 steps, rebounds
+CLIP = 0.05  # well below every gradient norm of this model: every step is clipped
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.b(F.relu(self.a(x)))))
+
+
+def _batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 16, (n,), generator=g)
+
+
+def _method(name: str) -> abtrain.Method:
+    options = {"ab": dict(group_size=2, **AB), "hlocalsgd": dict(group_size=2, h=4),
+               "ef21": {"warmup_steps": 2}}.get(name, {})
+    return abtrain.setup(name, total_steps=STEPS, quiet=True, **options)
+
+
+def _weights(method: abtrain.Method) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in method.export().items()}
+
+
+# -- clipping sees the averaged gradient -----------------------------------------------------------------
+
+def _clipped(name: str) -> dict:
+    torch.manual_seed(0)
+    method = _method(name)
+    model = method.prepare(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    # The user's own hook, registered before attach(): it runs before the method's, so it sees .grad as the
+    # loop left it after backward() and clipping.
+    opt.register_step_pre_hook(lambda o, *_: seen.append(
+        (method.phase, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for g in o.param_groups
+                                                             for p in g["params"] if p.grad is not None])).item())))
+    method.attach(opt)
+    for step in range(STEPS):
+        x, y = _batch(step, method.topo.rank)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    method.detach()
+    return {"seen": seen, "weights": _weights(method)}
+
+
+@pytest.mark.parametrize("name", ["ab", "hlocalsgd", "ef21"])
+def test_clipping_after_backward_is_what_the_optimizer_applies(name):
+    out = run_world(_clipped, 4, name)
+    for rank in out:
+        phases = {phase for phase, _ in rank["seen"]}
+        if name == "ab":
+            assert {"warmup", "ab", "rebound"} <= phases
+        for phase, norm in rank["seen"]:
+            assert norm == pytest.approx(CLIP, rel=1e-4), (phase, norm)
+    for rank in out[1:]:  # and the workers still end with one model
+        for key, value in out[0]["weights"].items():
+            torch.testing.assert_close(rank["weights"][key], value, rtol=0, atol=1e-6)
+
+
+# -- no_sync(): accumulation sends what one backward sends --------------------------------------------------
+
+def _accumulated(name: str, micro: int) -> dict:
+    torch.manual_seed(0)
+    method = _method(name)
+    model = method.prepare(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    method.attach(opt)
+    quiet_calls = []
+    for step in range(STEPS):
+        x, y = _batch(step, method.topo.rank)
+        opt.zero_grad()
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            last = i == micro - 1
+            before = method.comm.ledger.summary()["calls"]
+            with (method.no_sync() if not last else torch.enable_grad()):
+                (F.cross_entropy(model(xs), ys) / micro).backward()
+            if not last:
+                quiet_calls.append(method.comm.ledger.summary()["calls"] - before)
+        opt.step()
+    method.detach()
+    summary = method.comm.ledger.summary()
+    return {"by_phase": {k: v["wire_bytes"] for k, v in summary["by_phase"].items()}, "quiet": quiet_calls,
+            "weights": _weights(method)}
+
+
+@pytest.mark.parametrize("name", ["ab", "ef21", "ddp"])
+def test_no_sync_accumulation_sends_what_one_backward_sends(name):
+    runs = {micro: run_world(_accumulated, 4, name, micro)[0] for micro in (1, 2, 4)}
+    for micro in (2, 4):
+        assert set(runs[micro]["quiet"]) == {0}  # no collective inside no_sync()
+        assert runs[micro]["by_phase"] == runs[1]["by_phase"]
+        for key, value in runs[1]["weights"].items():  # the mean of the micro-batches' gradients: the same step
+            torch.testing.assert_close(runs[micro]["weights"][key], value, rtol=0, atol=1e-4)
+
+
+# -- torch.compile, in both orders -------------------------------------------------------------------------
+
+def _compiled(order: str) -> dict:
+    torch.manual_seed(0)
+    method = _method("ab")
+    net = Net()
+    if order == "compile, then prepare":
+        model = method.prepare(torch.compile(net, backend="aot_eager"))
+    elif order == "prepare, then compile":
+        model = torch.compile(method.prepare(net), backend="aot_eager")
+    else:
+        model = method.prepare(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    method.attach(opt)
+    low_rank = 0
+    for step in range(STEPS):
+        x, y = _batch(step, method.topo.rank)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        low_rank = max(low_rank, sum(fp.mode == "lowrank" for fp in method.records))
+    method.detach()
+    return {"bytes": method.comm.ledger.wire_total, "low_rank": low_rank, "kept": method.kept,
+            "compiled": type(model).__name__, "weights": _weights(method)}
+
+
+def test_torch_compile_in_either_order_keeps_the_low_rank_layers_and_the_bytes():
+    eager = run_world(_compiled, 4, "eager")[0]
+    assert eager["low_rank"] == 2 and eager["kept"] == ["out.weight"]
+    for order in ("compile, then prepare", "prepare, then compile"):
+        out = run_world(_compiled, 4, order)[0]
+        assert out["compiled"] == "OptimizedModule"
+        assert out["kept"] == eager["kept"] and out["low_rank"] == eager["low_rank"]
+        assert out["bytes"] == eager["bytes"]
+        for key, value in eager["weights"].items():  # the same names (no _orig_mod.) and the same model
+            torch.testing.assert_close(out["weights"][key], value, rtol=0, atol=1e-6)
+
+
+# -- resuming from the model's and the optimizer's state_dicts ---------------------------------------------
+
+def _resumable(name: str, ckpt_dir: str, stop: int | None, resume: bool, load_optimizer: bool = True) -> dict:
+    torch.manual_seed(0)
+    method = _method(name)
+    model = method.prepare(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, STEPS)
+    method.attach(opt)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("abtrain").addHandler(handler)
+    path = os.path.join(ckpt_dir, f"rank{method.topo.rank}.pt")
+    start = 0
+    if resume:
+        state = torch.load(path)  # weights_only: what the checkpoint holds is plain data
+        model.load_state_dict(state["model"])
+        if load_optimizer:
+            opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start = state["step"]
+    for step in range(start, STEPS if stop is None else stop):
+        x, y = _batch(step, method.topo.rank)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    if stop is not None:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "step": stop}, path)
+        method.detach(finalize=False)
+        return {}
+    method.detach()
+    return {"weights": _weights(method), "bytes": method.comm.ledger.wire_total, "steps": method.steps,
+            "warnings": warnings}
+
+
+@pytest.mark.parametrize("name", ["ab", "diloco", "ef21"])
+def test_resuming_from_model_and_optimizer_equals_the_uninterrupted_run(name, tmp_path):
+    whole = run_world(_resumable, 4, name, str(tmp_path), None, False)
+    run_world(_resumable, 4, name, str(tmp_path), 13, False)  # stops inside an AB phase, between two syncs
+    resumed = run_world(_resumable, 4, name, str(tmp_path), None, True)
+    for a, b in zip(whole, resumed):
+        assert b["steps"] == a["steps"] == STEPS and b["bytes"] == a["bytes"] and not b["warnings"]
+        for key, value in a["weights"].items():
+            assert torch.equal(b["weights"][key], value), key
+
+
+def test_loading_the_model_without_the_method_state_says_so(tmp_path):
+    run_world(_resumable, 4, "ab", str(tmp_path), 13, False)
+    out = run_world(_resumable, 4, "ab", str(tmp_path), None, True, False)
+    assert len(out[0]["warnings"]) == 1 and "no ab state came with it" in out[0]["warnings"][0]
+    assert not out[1]["warnings"]  # rank 0 alone says it
+
+
+# -- no DistributedDataParallel around a prepared model ----------------------------------------------------
+
+def _ddp_around(name: str) -> str:
+    method = _method(name)
+    model = torch.nn.parallel.DistributedDataParallel(method.prepare(Net()), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    method.attach(opt)
+    x, y = _batch(0, method.topo.rank)
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.parametrize("name", ["ab", "ef21", "diloco"])
+def test_ddp_around_a_prepared_model_is_refused(name):
+    for message in run_world(_ddp_around, 4, name):
+        assert "drop the DDP wrapper" in message and "ledger" in message
