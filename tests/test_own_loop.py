@@ -233,3 +233,62 @@ def _ddp_around(name: str) -> str:
 def test_ddp_around_a_prepared_model_is_refused(name):
     for message in run_world(_ddp_around, 4, name):
         assert "drop the DDP wrapper" in message and "ledger" in message
+
+
+# -- every parameter's fate, and the summary of one's own loop ----------------------------------------------
+
+class Tied(nn.Module):
+    """An embedding tied to the output layer, a kept-by-name head, a norm: every kind of weight left full rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 64)
+        self.body = nn.Linear(64, 64)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 16, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.head(self.norm(F.relu(self.body(self.embed(x))))))
+
+
+def _fates() -> dict:
+    torch.manual_seed(0)
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("abtrain").addHandler(handler)
+    logging.getLogger("abtrain").setLevel(logging.INFO)
+    method = abtrain.setup("ab", total_steps=STEPS, quiet=True, group_size=2, **AB)
+    model = method.prepare(Tied())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    method.attach(opt)
+    for step in range(8):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randint(0, 16, (16,), generator=g), torch.randint(0, 16, (16,), generator=g)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"lines": lines, "summary": method.summary(), "results": method.results()}
+
+
+def test_every_parameter_fate_is_printed_and_the_summary_compares_with_ddp():
+    out = run_world(_fates, 4)
+    text = "\n".join(out[0]["lines"])
+    assert "body.weight (64, 64) as 64x64: rank" in text
+    assert "embed.weight: full rank: embedding" in text
+    assert "head.weight: full rank: full-rank pattern 'head.*'" in text
+    assert "out.weight: full rank: shared by several modules (tied weights)" in text
+    assert "parameters of fewer than 2 dims (biases, norms): trained as they are" in text
+    assert not out[1]["lines"] or not any("full rank" in line for line in out[1]["lines"])  # rank 0 alone prints
+    results, summary = out[0]["results"], out[0]["summary"]
+    assert results["steps"] == 8 and results["params"] == sum(
+        p.numel() for p in Tied().parameters())  # the dense model, the tied weight counted once
+    # DDP for the same 8 steps: a ring all-reduce of every parameter in fp32 over the 4 workers.
+    assert results["ddp_equivalent"]["wire_bytes"] == pytest.approx(8 * 2 * 3 / 4 * 4 * results["params"])
+    assert results["compression_ratio"] is not None and results["training_state_bytes"] > 0
+    for piece in ("abtrain ab | 4 workers in groups of 2 | 8 steps", "compression", "training state",
+                  "by phase", "DDP, same steps", "versus DDP"):
+        assert piece in summary, piece

@@ -273,7 +273,6 @@ def _times_fewer(ddp: float, ours: float) -> str:
 
 def summary_table(results: dict[str, Any], run_dir: str) -> str:
     """The table rank 0 prints at the end of a run."""
-    comm = results["comm"]
     final = results["final"]
     lines = [
         f"abtrain {results['method']} | {results['model']} on {results['dataset']} | "
@@ -281,6 +280,17 @@ def summary_table(results: dict[str, Any], run_dir: str) -> str:
         f"  test accuracy   {100 * final['test_accuracy']:.2f} %" + f"    test loss {final['test_loss']:.4f}"
         + (f"    perplexity {final['test_perplexity']:.2f}" if final.get("test_perplexity") else ""),
         f"  wall time       {results['wall_seconds']:.1f} s    peak RSS {human_bytes(results['peak_rss_bytes'])}",
+        *method_lines(results),
+        f"  results         {os.path.join(run_dir, 'results.json')}",
+    ]
+    return "\n".join(lines)
+
+
+def method_lines(results: dict[str, Any]) -> list[str]:
+    """The summary's lines on the model, the training state and the bytes, against DDP for the same steps
+    (the CLI's table and ``method.summary()`` in one's own loop)."""
+    comm = results["comm"]
+    lines = [
         f"  parameters      {results['params']:,}" + _model_line(results),
         f"  communication   wire {human_bytes(comm['wire_bytes'])} per worker "
         f"(global {human_bytes(comm['by_scope']['global']['wire_bytes'])}, "
@@ -297,5 +307,4 @@ def summary_table(results: dict[str, Any], run_dir: str) -> str:
             f"  versus DDP      global {_times_fewer(ddp['global_wire_bytes'], ours_global)}, "
             f"total {_times_fewer(ddp['wire_bytes'], comm['wire_bytes'])}",
         ]
-    lines.append(f"  results         {os.path.join(run_dir, 'results.json')}")
-    return "\n".join(lines)
+    return lines

@@ -239,6 +239,7 @@ def prepare_model(
     full_rank_patterns: Sequence[str] = DEFAULT_FULL_RANK_PATTERNS,
     min_rank: int = 1,
     apply: Apply = "weight",
+    excluded: list[tuple[str, str]] | None = None,
 ) -> list[FactorizedParam]:
     """Put a :class:`LowRankWeight` (mode ``"full"``) on every factorisable weight of ``model``.
 
@@ -257,6 +258,8 @@ def prepare_model(
     ``"auto"`` picks, at each call, whichever needs fewer multiply-adds for that
     call's number of input rows (:func:`factors_cheaper`). The three compute the
     same function, up to rounding.
+
+    ``excluded``, when given, receives ``(name, reason)`` for every weight of ≥ 2 dims left full rank.
     """
     if apply not in APPLY_MODES:
         raise ValueError(f"apply must be one of {APPLY_MODES}, got {apply!r}")
@@ -272,7 +275,8 @@ def prepare_model(
                 owners[id(param)] = owners.get(id(param), 0) + 1
 
     chosen: list[tuple[str, nn.Module, str, Tensor]] = []
-    excluded: list[tuple[str, str]] = []
+    report = excluded is None  # a caller that collects the reasons reports them itself
+    excluded = [] if excluded is None else excluded
     for mod_name, mod in model.named_modules():
         for pname, param in list(mod._parameters.items()):
             if param is None or not pname.endswith("weight") or param.ndim < 2:
@@ -280,13 +284,13 @@ def prepare_model(
             name = f"{mod_name}.{pname}" if mod_name else pname
             reason = _excluded_reason(mod, name, param, full_rank_patterns, min_rank)
             if reason is None and owners[id(param)] > 1:
-                reason = "shared by several modules"
+                reason = "shared by several modules (tied weights)"
             if reason is None:
                 chosen.append((name, mod, pname, param))
             else:
                 excluded.append((name, reason))
 
-    for name, reason in excluded:
+    for name, reason in excluded if report else ():
         logger.info("%s kept full rank: %s", name, reason)
     if not chosen:
         detail = "; ".join(f"{name} ({reason})" for name, reason in excluded) or "none"

@@ -74,6 +74,8 @@ class ABTraining(Method):
         self.a_ranks = list(range(num_a_groups * topo.group_size))
         self.records: list[lowrank.FactorizedParam] = []
         self.kept: list[str] = []  # layers kept full rank because they produce the model's output
+        self.excluded: list[tuple[str, str]] = []  # weights never factorised, and why (prepare_model)
+        self.others = 0  # parameters below 2 dims (biases, norms): trained as they are
         self.t = 0  # optimizer steps taken
         self.schedule: Schedule | None = None
         self._switch_step: int | None = None  # step of the last phase switch, for the LR rebound
@@ -145,7 +147,10 @@ class ABTraining(Method):
                      "(AB-training averages gradients itself: drop the DDP wrapper, use the model prepare() returns)")
             model = model.module
         self.records = lowrank.prepare_model(model, full_rank_patterns=self.cfg.patterns, min_rank=self.cfg.min_rank,
-                                             apply=self.cfg.linear_apply)
+                                             apply=self.cfg.linear_apply, excluded=self.excluded)
+        factorisable = {id(p) for fp in self.records for p in (fp.weight, fp.A, fp.B)} | {
+            id(p) for name, p in model.named_parameters() if any(name == e for e, _ in self.excluded)}
+        self.others = sum(1 for p in model.parameters() if id(p) not in factorisable)
         if self.cfg.init == "ortho-sigma":
             lowrank.ortho_sigma_init(self.records)
         lowrank.set_trainable(self.records, "full")
@@ -407,7 +412,10 @@ class ABTraining(Method):
         # The per-layer lines when they change (the first decomposition, a new rank); else one line, once, until
         # something changes again (a sync every few steps would otherwise print a line each time).
         head = f"AB-training: decomposition at step {self.t} (compression {lowrank.format_ratio(self.ratio)})"
-        lines = lowrank.decision_lines(self.records)
+        lines = lowrank.decision_lines(self.records) + [f"{name}: full rank: {why}" for name, why in self.excluded]
+        if self.others:
+            lines.append(f"{self.others} parameter{'s' if self.others > 1 else ''} of fewer than 2 dims (biases, "
+                         f"norms): trained as they are")
         if lines == self._said_lines:
             if not self._said_same:
                 self.say(head + ", every layer as before (the next decompositions that change nothing are not "

@@ -390,6 +390,33 @@ class Method:
     def extra_results(self) -> dict[str, Any]:
         return {}
 
+    def results(self) -> dict[str, Any]:
+        """This worker's run so far, as results.json has it: the dense model's parameters, the model as it
+        trains, the most training state held against DDP's, the ledger's bytes and DDP's for the same steps."""
+        from ..memory import dense_training_state_bytes, moments_per_element
+        from ..results import ddp_equivalent
+
+        module = self.module
+        params = (lowrank.full_param_count(module, self.records) if getattr(self, "records", None)
+                  else sum(p.numel() for p in module.parameters() if p.requires_grad)) if module is not None else 0
+        ddp = ddp_equivalent(params, self.topo.world_size, self.topo.group_size, self.steps)
+        if self._attached is not None:
+            ddp["training_state_bytes"] = dense_training_state_bytes(params, moments_per_element(self._attached[0]))
+        return {"method": self.name, "world_size": self.topo.world_size, "group_size": self.topo.group_size,
+                "steps": self.steps, "params": params, "model_params": params, "compression_ratio": None,
+                "training_state_bytes": self.peak_state_bytes or None, "training_state_by_phase": self.peak_state,
+                "comm": self.comm.ledger.summary(), "ddp_equivalent": ddp, **self.extra_results()}
+
+    def summary(self) -> str:
+        """The lines of ``abtrain train``'s summary that one's own loop can have: model size, training state,
+        bytes by scope and phase, and DDP's bytes for the same steps (call it while attached, on rank 0)."""
+        from ..results import method_lines
+
+        results = self.results()
+        head = (f"abtrain {self.name} | {results['world_size']} workers in groups of {results['group_size']} | "
+                f"{results['steps']} steps")
+        return "\n".join([head, *method_lines(results)])
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
