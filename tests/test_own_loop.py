@@ -4,6 +4,9 @@ optimizer's state_dicts, and no DistributedDataParallel whose bytes the ledger c
 
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import abtrain
+from abtrain.bench import netns
+from abtrain.bench.linkbytes import link_check
 
-from helpers import run_world
+from helpers import free_port, run_world
 
 STEPS = 24
 AB = {"warmup_steps": 4, "cycle_steps": 6, "rebound_steps": 2}  # warm-up, AB phases, a sync every 6 steps, rebounds
@@ -292,3 +297,74 @@ def test_every_parameter_fate_is_printed_and_the_summary_compares_with_ddp():
     for piece in ("abtrain ab | 4 workers in groups of 2 | 8 steps", "compression", "training state",
                   "by phase", "DDP, same steps", "versus DDP"):
         assert piece in summary, piece
+
+
+# -- the habits together, as a user's script under torchrun --------------------------------------------------
+
+HABITS = Path(__file__).resolve().parent.parent / "examples" / "own_loop_habits.py"
+QUICK = ["--epochs", "3", "--compile", "aot_eager"]  # the eager-graph backend: compiling for speed costs minutes
+
+
+def _torchrun(*args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(HABITS), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_habits_script_clips_keeps_low_rank_accumulates_and_resumes_to_the_same_bits(tmp_path):
+    whole = tmp_path / "whole.pt"
+    out = _torchrun(*QUICK, "--out", str(whole))
+    assert "versus DDP" in out and "training state" in out
+    run = torch.load(whole)
+    assert run["low_rank"] >= 2 and run["results"]["compression_ratio"] > 1  # compiled, and still low rank
+    assert max(run["applied"]) <= 0.5 * (1 + 1e-5)  # clipping holds in every phase
+    # Stopped after a checkpoint and resumed from the model's and the optimizer's state_dicts: the same bits.
+    _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "ckpt"), "--stop-after", "20")
+    resumed = tmp_path / "resumed.pt"
+    _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "ckpt"), "--resume", "--out", str(resumed))
+    again = torch.load(resumed)
+    for key, value in run["weights"].items():
+        assert torch.equal(again["weights"][key], value), key
+    assert again["results"]["comm"]["wire_bytes"] == run["results"]["comm"]["wire_bytes"]
+    # One micro-batch per step instead of two: the same bytes (no_sync() sends nothing).
+    single = tmp_path / "single.pt"
+    _torchrun(*QUICK, "--accumulate", "1", "--out", str(single))
+    one = torch.load(single)
+    assert {k: v["wire_bytes"] for k, v in one["results"]["comm"]["by_phase"].items()} == {
+        k: v["wire_bytes"] for k, v in run["results"]["comm"]["by_phase"].items()}
+
+
+_NETNS = netns.unavailable_reason()
+
+
+@pytest.mark.skipif(_NETNS is not None, reason=f"needs network namespaces: {_NETNS}")
+def test_habits_script_ledger_equals_the_bytes_on_the_links(tmp_path):
+    """Each worker in a network namespace of its own: every byte it sends crosses its link, whose kernel
+    counters must match the ledger (nothing sent around it, as a DDP wrapper's all-reduces would be)."""
+    network = netns.Network(4, netns.NetSpec.parse("rate=1gbit,layout=worker"), node_size=1)
+    out = tmp_path / "run.pt"
+    with network:
+        before = network.counters()
+        port = free_port()
+        procs = []
+        for rank in range(4):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": network.address(0), "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": netns.IFNAME,
+                   "OMP_NUM_THREADS": "1"}
+            cmd = network.exec_prefix(rank) + [sys.executable, str(HABITS), *QUICK, "--out", str(out)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), logs[0][-3000:]
+        after = network.counters()
+    results = torch.load(out)["results"]
+    measured = {"layout": "worker", "node_size": 1,
+                "tx_bytes": [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)],
+                "tx_packets": [a["tx_packets"] - b["tx_packets"] for a, b in zip(after, before)]}
+    check = link_check(results, measured)
+    print(f"\nown loop in 4 namespaces: ledger {check['ledger_bytes']:.0f} B/worker, links {check['tx_bytes_mean']:.0f} "
+          f"B/worker (ratio {check['ratio']:.3f}; framed payload ratio {check['framed_payload_ratio']:.3f})",
+          file=sys.stderr)
+    assert check["expected_tx_bytes"] == pytest.approx(check["ledger_bytes"])  # one worker per node
+    # The payload on the links (headers taken out) against the ledger's bytes plus gloo's framing: within 5 %.
+    assert abs(check["framed_payload_ratio"] - 1) <= 0.05

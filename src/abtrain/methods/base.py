@@ -67,6 +67,7 @@ class Method:
         self._forward_hook: Any = None
         self._loaded_state: dict[str, Any] | None = None
         self._awaiting_state = False  # the model was loaded while attached, the method's state not (yet)
+        self._last_optimizer: torch.optim.Optimizer | None = None  # the one attached last (results() after detach)
         self.compiled: nn.Module | None = None  # torch.compile's wrapper the model came in, if any
         self.ddp: DistributedDataParallel | None = None  # the one the method itself built (method "ddp")
 
@@ -164,6 +165,7 @@ class Method:
                    optimizer.register_load_state_dict_pre_hook(functools.partial(Method._take_state, self)),
                    optimizer.register_load_state_dict_post_hook(functools.partial(Method._restore_state, self))]
         self._attached = (optimizer, handles)
+        self._last_optimizer = optimizer
         try:
             self.start(optimizer)
         except BaseException:
@@ -400,8 +402,9 @@ class Method:
         params = (lowrank.full_param_count(module, self.records) if getattr(self, "records", None)
                   else sum(p.numel() for p in module.parameters() if p.requires_grad)) if module is not None else 0
         ddp = ddp_equivalent(params, self.topo.world_size, self.topo.group_size, self.steps)
-        if self._attached is not None:
-            ddp["training_state_bytes"] = dense_training_state_bytes(params, moments_per_element(self._attached[0]))
+        optimizer = self._attached[0] if self._attached is not None else self._last_optimizer
+        if optimizer is not None:
+            ddp["training_state_bytes"] = dense_training_state_bytes(params, moments_per_element(optimizer))
         return {"method": self.name, "world_size": self.topo.world_size, "group_size": self.topo.group_size,
                 "steps": self.steps, "params": params, "model_params": params, "compression_ratio": None,
                 "training_state_bytes": self.peak_state_bytes or None, "training_state_by_phase": self.peak_state,
