@@ -51,6 +51,7 @@ def _torch_powersgd_method():
             ddp = DistributedDataParallel(model, init_sync=False, process_group=self.topo.world.pg,
                                           bucket_cap_mb=self.bucket_cap_mb, **_no_buffer_broadcast)
             ddp.register_comm_hook(self.state, powerSGD_hook)
+            self.ddp = ddp  # the method's own DDP: the one allowed to call the prepared module
             return ddp
 
         def extra_results(self):

@@ -84,7 +84,7 @@ def test_clipping_after_backward_is_what_the_optimizer_applies(name):
             assert norm == pytest.approx(CLIP, rel=1e-4), (phase, norm)
     for rank in out[1:]:  # and the workers still end with one model
         for key, value in out[0]["weights"].items():
-            torch.testing.assert_close(rank["weights"][key], value, rtol=0, atol=1e-6)
+            assert torch.equal(rank["weights"][key], value), key
 
 
 # -- no_sync(): accumulation sends what one backward sends --------------------------------------------------
@@ -368,3 +368,29 @@ def test_habits_script_ledger_equals_the_bytes_on_the_links(tmp_path):
     assert check["expected_tx_bytes"] == pytest.approx(check["ledger_bytes"])  # one worker per node
     # The payload on the links (headers taken out) against the ledger's bytes plus gloo's framing: within 5 %.
     assert abs(check["framed_payload_ratio"] - 1) <= 0.05
+
+
+def _exported_in_consensus() -> dict:
+    torch.manual_seed(0)
+    method = _method("ab")
+    model = method.prepare(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    method.attach(opt)
+    for step in range(15):  # inside an AB phase, between two syncs
+        x, y = _batch(step, method.topo.rank)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with method.consensus():
+        mid = _weights(method)
+    method.detach()
+    return {"mid": mid, "end": _weights(method)}
+
+
+def test_a_loop_ending_in_consensus_exports_one_model_bit_for_bit():
+    out = run_world(_exported_in_consensus, 4)
+    for rank in out[1:]:
+        for when in ("mid", "end"):
+            for key, value in out[0][when].items():
+                assert torch.equal(rank[when][key], value), (when, key)

@@ -508,6 +508,21 @@ class ABTraining(Method):
                 if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n)
                                          or (compressor is not None and compressor.rank_for(fp.m, fp.n) is not None))}
 
+    @torch.no_grad()
+    def export(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The plain state_dict (:meth:`Method.export`), the same bits on every worker where they agree.
+
+        Right after a decomposition the tangent split holds W as (U·σ)·Vᵀ on A-workers and U·(σ·Vᵀ) on
+        B-workers, equal up to rounding; every worker then exports (U·σ)·Vᵀ from the singular vectors they all
+        hold bit for bit, so a loop that ends in consensus() ends with one model."""
+        state = super().export(model)
+        if self._bases and self.t in (self._switch_step, self._agreed_at) and model in (None, self.module):
+            for fp in self.records:
+                if fp.mode == "lowrank" and fp.name in self._bases and fp.name in state:
+                    u, sigma, vh = self._basis(fp)
+                    state[fp.name] = ((u * sigma) @ vh).reshape(fp.shape).to(state[fp.name].dtype)
+        return state
+
     def in_consensus(self) -> bool:
         # Workers differ only while groups train apart: inside an AB phase after its first step.
         if self.phase != "ab" or self.t in (self._switch_step, self._agreed_at):

@@ -69,7 +69,9 @@ class Method:
         self._awaiting_state = False  # the model was loaded while attached, the method's state not (yet)
         self._last_optimizer: torch.optim.Optimizer | None = None  # the one attached last (results() after detach)
         self.compiled: nn.Module | None = None  # torch.compile's wrapper the model came in, if any
-        self.ddp: DistributedDataParallel | None = None  # the one the method itself built (method "ddp")
+        #: the DistributedDataParallel the method itself wraps the model in ("ddp", "powersgd"): the one
+        #: allowed to call the prepared module (a method that builds its own sets it in prepare())
+        self.ddp: DistributedDataParallel | None = None
 
     @property
     def phase(self) -> str:
