@@ -234,10 +234,25 @@ def _ddp_around(name: str) -> str:
     return "ran"
 
 
+def _ddp_inside(name: str) -> dict:
+    method = _method(name)
+    model = method.prepare(torch.nn.parallel.DistributedDataParallel(Net()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    method.attach(opt)
+    for step in range(3):
+        x, y = _batch(step, method.topo.rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {"type": type(model).__name__, "calls": method.comm.ledger.summary()["calls"]}
+
+
 @pytest.mark.parametrize("name", ["ab", "ef21", "diloco"])
-def test_ddp_around_a_prepared_model_is_refused(name):
+def test_ddp_around_a_prepared_model_is_refused_and_inside_it_is_dropped(name):
     for message in run_world(_ddp_around, 4, name):
         assert "drop the DDP wrapper" in message and "ledger" in message
+    inside = run_world(_ddp_inside, 4, name)[0]
+    assert inside["type"] == "Net"  # the DDP handed to prepare() is dropped: only the ledger's collectives run
 
 
 # -- every parameter's fate, and the summary of one's own loop ----------------------------------------------

@@ -139,13 +139,7 @@ class ABTraining(Method):
 
     # -- preparation -------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
-        model = self.unwrap(model)  # torch.compile's wrapper: its module is factorised, the wrapper returned
-        if isinstance(model, DistributedDataParallel):
-            # DDP would all-reduce every gradient over the world and fight the groups; its own hooks stay
-            # idle when its forward is not called, so training the inner module is safe.
-            self.say("AB-training: the model was wrapped in DistributedDataParallel; training its .module "
-                     "(AB-training averages gradients itself: drop the DDP wrapper, use the model prepare() returns)")
-            model = model.module
+        model = self.unwrap(model)  # torch.compile's or DDP's wrapper: its module is factorised
         self.records = lowrank.prepare_model(model, full_rank_patterns=self.cfg.patterns, min_rank=self.cfg.min_rank,
                                              apply=self.cfg.linear_apply, excluded=self.excluded)
         factorisable = {id(p) for fp in self.records for p in (fp.weight, fp.A, fp.B)} | {

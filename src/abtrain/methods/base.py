@@ -90,7 +90,13 @@ class Method:
         return self.compiled if self.compiled is not None else model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside a ``torch.compile`` wrapper (kept in :attr:`compiled`, returned by prepare)."""
+        """The user's module inside a ``torch.compile`` wrapper (kept in :attr:`compiled`, returned by prepare)
+        or a DistributedDataParallel (dropped: its all-reduces would bypass the ledger and the method)."""
+        if isinstance(model, DistributedDataParallel):
+            # DDP's hooks stay idle when its forward is not called, so training the inner module is safe.
+            self.say(f"{self.name}: the model was wrapped in DistributedDataParallel; training its .module (abtrain "
+                     f"averages gradients itself: drop the DDP wrapper, use the model prepare() returns)")
+            model = model.module
         inner = compiled_inner(model)
         if inner is not None:
             self.compiled = model
