@@ -281,11 +281,15 @@ def test_resume_from_a_checkpoint_continues_bit_for_bit(world):
         assert all(torch.equal(r["resumed"]["export"][k], r["ab"]["export"][k]) for k in r["ab"]["export"])
 
 
-def test_the_strategy_refuses_what_it_cannot_run():
+def test_the_strategy_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         AbtrainStrategy("nope")
     with pytest.raises(ValueError, match="does not run 'streaming-diloco'"):
         AbtrainStrategy("streaming-diloco")
+    path = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}, CHECKPOINT_KEY: {"method": "localsgd", "world_size": 4, "workers": []}}, path)
+    with pytest.raises(ValueError, match="written by 'localsgd' on 4 workers, this run trains 'ab' on 1: resume it"):
+        AbtrainStrategy("ab").load_checkpoint(path)
 
 
 def test_the_example_converts_in_three_lines_and_runs_as_typed(tmp_path):
