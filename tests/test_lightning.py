@@ -9,6 +9,7 @@ types it, Lightning starting its workers.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -293,6 +294,13 @@ def test_the_strategy_refuses_what_it_cannot_run(tmp_path):
 
 
 def test_the_example_converts_in_three_lines_and_runs_as_typed(tmp_path):
+    block = re.search(r"```diff\n(.*?)```", (ROOT / "docs" / "lightning.md").read_text(), re.S)[1].splitlines()
+    before = [ln[1:] for ln in block if ln[:1] in (" ", "-", "")]
+    after = [ln[1:] for ln in block if ln[:1] in (" ", "+", "")]
+    ops = difflib.SequenceMatcher(None, before, after, autojunk=False).get_opcodes()
+    added = sum(j2 - j1 for tag, _, _, j1, j2 in ops if tag in ("replace", "insert"))
+    removed = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag in ("replace", "delete"))
+    assert (added, removed) == (3, 2)  # docs/lightning.md's diff: the import, the strategy, the export
     example = ROOT / "examples" / "lightning_trainer.py"
     marked = [ln for ln in example.read_text().splitlines() if re.search(r"\S  # abtrain( \(was: .*\))?$", ln)]
     assert len(marked) == 3
