@@ -12,8 +12,8 @@ The user's page is ``docs/lightning.md``. What the strategy does, in the order L
   then Lightning's ``on_before_optimizer_step`` hooks, gradient clipping and the update, so clipping
   sees the averaged gradient. torch runs an optimizer's step pre-hooks before the closure handed
   to ``step``: the method's own pre-hook would average the gradients before they exist.
-* the micro-batches of gradient accumulation that do not step: inside ``method.no_sync()`` where the
-  method has one, else DDP's ``no_sync`` for the DDP-based methods.
+* the micro-batches of gradient accumulation that do not step: inside ``method.no_sync()`` (DDP's own
+  ``no_sync`` for the DDP-based methods).
 * validation during fit: ``method.consensus()`` first, so every worker evaluates one model.
 * ``on_train_end``: ``method.detach()`` (the last sync or average) and ``consensus()``; rank 0 says
   the bytes sent by phase. ``teardown``: ``method.close()``.
@@ -181,8 +181,7 @@ class AbtrainStrategy(DDPStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """The micro-batches of gradient accumulation that do not step send nothing."""
         self._accumulating = True
-        no_sync = getattr(self.method, "no_sync", None)
-        with no_sync() if no_sync is not None else super().block_backward_sync():
+        with self.method.no_sync() if self.method is not None else super().block_backward_sync():
             yield
 
     def on_validation_start(self) -> None:
