@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/ab_configs.py --workload fashion-wide --seeds 0,1 \
         --config ddp="--method ddp" --config ab="--method ab" \
         --config ab-psgd="--method ab --ab-dense-comm powersgd"
+    .venv/bin/python benchmarks/ab_configs.py --workload fashion-cnn --method ddp --method demo --method ab
 
-Each (config, seed) runs as the `abtrain train` of the workload (same model, data, recipe,
+A ``--method`` is a config with the flags `abtrain bench` gives that method on the workload. Each
+(config, seed) runs as the `abtrain train` of the workload (same model, data, recipe,
 workers, groups and step budget as `abtrain bench`), one after another; a run whose
 results.json exists is reused, so an interrupted sweep continues where it stopped. Prints a
 table (mean over seeds, with the spread max - min, and each seed's value) and writes JSON to
@@ -27,14 +29,20 @@ p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDes
 p.add_argument("--workload", default="fashion-wide")
 p.add_argument("--quick", action="store_true")
 p.add_argument("--seeds", default="0,1")
-p.add_argument("--config", action="append", required=True, metavar="NAME=FLAGS",
+p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                help="a named set of 'abtrain train' flags added to the workload's (repeatable)")
+p.add_argument("--method", action="append", default=[], metavar="METHOD",
+               help="a method with the flags 'abtrain bench' gives it on the workload (repeatable; before the "
+                    "--config entries)")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 
 workload = get_workload(args.workload, args.quick)
 seeds = [int(s) for s in args.seeds.split(",")]
-configs = [c.split("=", 1) for c in args.config]
+configs = [[m, shlex.join(workload.args_for(m)[len(workload.train_args):])] for m in args.method]
+configs += [c.split("=", 1) for c in args.config]
+if not configs:
+    p.error("give at least one --method or --config")
 out = args.out or os.path.join(ROOT, "benchmarks", "results", f"ab-configs-{workload.name}")
 abtrain = os.path.join(os.path.dirname(sys.executable), "abtrain")
 metric = "test_perplexity" if workload.metric == "perplexity" else "test_accuracy"
