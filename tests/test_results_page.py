@@ -1,0 +1,112 @@
+"""docs/results.md and the README's results table agree with the stored reports (benchmarks/results_page.py)."""
+import copy
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "results_page.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("results_page", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rp = _load()
+
+
+def test_results_page_matches_the_stored_reports():
+    reports = rp.load_reports(ROOT)
+    assert [r.workload for r in reports][:2] == ["fashion-cnn", "fashion-wide"]
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert text == rp.results_page(reports), "docs/results.md is stale: run .venv/bin/python benchmarks/results_page.py"
+
+
+def test_readme_table_matches_the_stored_reports():
+    readme = (ROOT / "README.md").read_text()
+    table = rp.readme_table(rp.load_reports(ROOT))
+    assert readme == rp.with_readme_table(readme, table), \
+        "the README's table between the results markers is stale: run .venv/bin/python benchmarks/results_page.py"
+
+
+def test_figures_come_from_the_json():
+    """Spot checks against the stored JSON, so a formatting slip cannot hide behind a regenerated page."""
+    reports = {r.workload: r for r in rp.load_reports(ROOT)}
+    cnn = reports["fashion-cnn"]
+    ab = next(row for row in cnn.rows if row["config"] == "ab")
+    page = rp.results_page(list(reports.values()))
+    assert f"| `ab` | {100 * ab['test_accuracy'][0]:.2f} ± {100 * ab['test_accuracy'][1]:.2f} %" in page
+    assert f"{ab['global_wire_bytes'][0] / 1e6:.1f} MB" in page
+    assert cnn.data["command"].split()[0] == "benchmarks/ab_configs.py"
+    for token in cnn.data["command"].split()[1:]:
+        assert token in page
+    assert "is a tie" in page and "shakespeare-gpt" in page
+
+
+def _fake_gpt(folder: Path) -> None:
+    """A perplexity report shaped like ab_configs.py's, for the workload that has none stored yet."""
+    def row(config, ppl, glob, ref_glob=12.0e9, ref_ppl=(4.360, 4.400)):
+        mean = sum(ppl) / 2
+        return {"config": config, "flags": f"--method {config}", "seeds": [0, 1],
+                "test_perplexity": [mean, max(ppl) - min(ppl)], "test_perplexity_per_seed": list(ppl),
+                "global_wire_bytes": [glob, 0.0], "total_wire_bytes": [glob * 2, 0.0],
+                "delta_vs_ref": [mean - sum(ref_ppl) / 2, 0.0], "global_share_of_ref": [glob / ref_glob, 0.0],
+                "wall_seconds": [1.0, 0.0], "compression_ratio": [None, None], "model_params": [1, 1],
+                "training_state_bytes": [1, 1], "state_vs_ddp": [1.0, 1.0], "ranks": [[], []]}
+    folder.mkdir(parents=True)
+    (folder / "ab_configs.json").write_text(json.dumps({
+        "command": "benchmarks/ab_configs.py --workload shakespeare-gpt --seeds 0,1 --method ddp --method ab",
+        "workload": "gpt on Shakespeare", "metric": "test_perplexity",
+        "rows": [row("ddp", (4.360, 4.400), 12.0e9), row("ab", (4.343, 4.367), 0.2e9)]}))
+
+
+def _copy_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    for report in (ROOT / "docs" / "results").glob("peers-full-*"):
+        shutil.copytree(report, root / "docs" / "results" / report.name)
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    shutil.copy(ROOT / "docs" / "results.md", root / "docs" / "results.md")
+    return root
+
+
+def test_a_gpt_report_is_picked_up(tmp_path):
+    root = _copy_tree(tmp_path)
+    _fake_gpt(root / "docs" / "results" / "peers-full-shakespeare-gpt")
+    reports = rp.load_reports(root)
+    assert [r.workload for r in reports] == ["fashion-cnn", "fashion-wide", "shakespeare-gpt"]
+    page = rp.results_page(reports)
+    assert "## `shakespeare-gpt`" in page and "Not measured at the full budget yet" not in page
+    assert "| `ab` | 4.355 ± 0.024 | 4.343 / 4.367 | −0.025 (tie) |" in page
+    table = rp.readme_table(reports)
+    assert "`shakespeare-gpt` perplexity" in table.splitlines()[0]
+    diloco = next(line for line in table.splitlines() if line.startswith("| `diloco` |"))
+    assert diloco.endswith("| – | – |")  # no GPT run of diloco: two empty cells
+
+
+def test_check_fails_on_a_stale_page_and_write_fixes_it(tmp_path):
+    root = _copy_tree(tmp_path)
+    run = [sys.executable, str(SCRIPT), "--root", str(root)]
+    assert subprocess.run([*run, "--check"], capture_output=True).returncode == 0
+    data = json.loads((root / "docs/results/peers-full-fashion-cnn/ab_configs.json").read_text())
+    changed = copy.deepcopy(data)
+    changed["rows"][-1]["test_accuracy"][0] += 0.001
+    (root / "docs/results/peers-full-fashion-cnn/ab_configs.json").write_text(json.dumps(changed))
+    stale = subprocess.run([*run, "--check"], capture_output=True, text=True)
+    assert stale.returncode == 1 and "docs/results.md" in stale.stderr and "README.md" in stale.stderr
+    assert subprocess.run(run, capture_output=True).returncode == 0
+    assert subprocess.run([*run, "--check"], capture_output=True).returncode == 0
+
+
+def test_readme_markers_are_required():
+    try:
+        rp.with_readme_table("no markers here\n", "| a |\n")
+    except ValueError as e:
+        assert "results:begin" in str(e)
+    else:
+        raise AssertionError("a README without the markers must be refused")
