@@ -216,7 +216,7 @@ def results_page(reports: list[Report]) -> str:
         "AB-training with its defaults (`--method ab`) against DDP and the methods a user would pick "
         f"instead, at the bench's full budgets on {names}. Every number comes from a stored report: "
         "`.venv/bin/python benchmarks/results_page.py` writes this page and the README's table from "
-        "them, and `--check` (run by `tests/test_results_page.py`) fails when either differs.")
+        "them; `--check` and `tests/test_results_page.py` fail when either differs from them.")
     lines += [""] + para(f"Measured on {MACHINE}. {TIE}") + [""]
     for report in reports:
         lines += workload_section(report)
