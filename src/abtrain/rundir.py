@@ -33,7 +33,7 @@ from .safefile import WrongKind, check_kind, open_fd, open_file
 if TYPE_CHECKING:
     from .config import TrainConfig
 
-#: Exit codes of ``abtrain train`` (README and docs/reliability.md list them).
+#: Exit codes of ``abtrain train`` (docs/reliability.md lists them).
 EXIT_OK = 0
 EXIT_FAILED = 1  # training failed: divergence, a peer that stopped answering, an unexpected error
 EXIT_INPUT = 2  # bad input: flags, config files, data, checkpoints, a run directory in use
