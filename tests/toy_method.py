@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from abtrain.comm import Communicator
-from abtrain.methods.base import PeriodicMethod
+from abtrain.methods.periodic import PeriodicMethod
 from abtrain.methods.registry import MethodSpec, register
 from abtrain.topology import Topology
 from abtrain.validate import Options, opt

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
 from ..comm import Communicator

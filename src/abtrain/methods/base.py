@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -17,12 +16,12 @@ from .. import lowrank
 from ..comm import Communicator
 from ..memory import training_state_parts
 from ..topology import Topology
-from .loop import DDP_AROUND, STATE_KEY, BackwardWatch, EagerFirstForward, compiled_inner, ddp_calling
+from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner
 
 log = logging.getLogger(__name__)
 
 
-class Method:
+class Method(LoopContract):
     """A communication scheme around the user's model and optimizer.
 
     Use::
@@ -103,60 +102,6 @@ class Method:
             return inner
         return model
 
-    def _hook_module(self, model: nn.Module) -> None:
-        """What the prepared module does for the method: its first training forward runs eagerly and checks that no
-        DistributedDataParallel calls it; a state loaded into it while attached expects the method's state too."""
-        if self._forward_hook is None:
-            self._first_forward.start()
-            self._forward_hook = model.register_forward_pre_hook(self._first_training_forward)
-            # torch marks the hooks it is given with an attribute, which a bound method cannot take: wrap them
-            model.register_load_state_dict_post_hook(functools.partial(Method._model_loaded, self))
-
-    def _first_training_forward(self, module: nn.Module, args: Any) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        self._forward_hook.remove()
-        caller = ddp_calling(module)
-        if caller is not None and caller is not self.ddp:
-            self._first_forward.stop()
-            raise RuntimeError(DDP_AROUND)
-        handle: list[Any] = []
-
-        def finished(*_: Any) -> None:  # the first forward has run eagerly: compile from the next call on
-            handle[0].remove()
-            self._first_forward.stop()
-
-        handle.append(module.register_forward_hook(finished, always_call=True))
-
-    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
-        if self._attached is not None:
-            self._awaiting_state = True  # a resume: the optimizer's state_dict should bring the method's (_pre_step)
-
-    def _save_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        state[STATE_KEY] = {"method": self.name, "state": self.state_dict(), "steps": self.steps,
-                            "ledger": self.comm.ledger.state_dict()}
-
-    def _take_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        state = dict(state)  # the caller's dict stays as it was
-        self._loaded_state = state.pop(STATE_KEY, None)
-        return state
-
-    def _restore_state(self, optimizer: torch.optim.Optimizer) -> None:
-        saved, self._loaded_state = self._loaded_state, None
-        if saved is None:
-            return
-        if saved["method"] != self.name:
-            raise ValueError(f"the checkpoint was saved by method {saved['method']!r}, this run uses "
-                             f"{self.name!r}: resume with the method that wrote it")
-        self.load_state_dict(saved["state"])
-        self.steps = saved["steps"]
-        self.comm.ledger.load_state_dict(saved["ledger"])
-        self._awaiting_state = False
-        self._resumed()
-
-    def _resumed(self) -> None:
-        """Runs after the method's state was restored from a checkpoint (the method may re-arm its hooks)."""
-
     def attach(self, optimizer: torch.optim.Optimizer) -> "Attachment":
         """Hook the method into ``optimizer`` until :meth:`detach`; also usable as ``with method.attach(opt):``.
 
@@ -209,29 +154,6 @@ class Method:
     @property
     def attached(self) -> bool:
         return self._attached is not None
-
-    def _watch_backward(self) -> None:
-        """Follow the trainable parameters (a decomposition may have made new ones) for the end of backward."""
-        if self.averages_gradients and self.module is not None and self._attached is not None:
-            self._backward.watch([p for p in self.module.parameters() if p.requires_grad])
-
-    def _grad_accumulated(self) -> None:
-        self._reduced = False
-
-    def _backward_done(self) -> None:
-        """The end of a backward pass: average now, as DDP does, unless inside no_sync()."""
-        if self._attached is not None and not self._no_sync:
-            self.reduce_gradients()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """As DDP's ``no_sync()``: backward passes inside the block accumulate ``.grad`` locally and send nothing;
-        the first backward after it (or the optimizer step) averages the accumulated gradient."""
-        self._no_sync += 1
-        try:
-            yield
-        finally:
-            self._no_sync -= 1
 
     def _pre_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._awaiting_state:
@@ -457,61 +379,6 @@ class Attachment:
             self.method._unhook()
 
 
-class PeriodicMethod(Method):
-    """Workers train apart and are brought to one model every ``h`` optimizer steps by one
-    :meth:`synchronize` (local SGD, DiLoCo, hierarchical local SGD).
-
-    The step ending with a synchronization is labelled ``sync_phase`` in the
-    ledger, the others ``local_phase``. Leaving :meth:`attach` synchronizes once
-    more if steps were taken since the last time, so every worker ends with one model.
-    """
-
-    local_phase = "local"
-    sync_phase = "average"
-
-    def __init__(self, comm: Communicator, topo: Topology, h: int) -> None:
-        super().__init__(comm, topo)
-        self.h = h
-        self.t = 0  # optimizer steps taken
-        self.syncs = 0
-        self._last_sync = 0  # step of the last synchronization (step 0: prepare's broadcast)
-
-    @property
-    def phase(self) -> str:
-        return self.sync_phase if (self.t + 1) % self.h == 0 else self.local_phase
-
-    def synchronize(self) -> None:
-        """Bring the workers to one model (one collective); the subclass's whole method."""
-        raise NotImplementedError
-
-    def _synchronize(self) -> None:
-        self.synchronize()
-        self.note_state_change()
-        self.syncs += 1
-        self._last_sync = self.t
-
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.t += 1
-        if self.t % self.h == 0:
-            self._synchronize()
-
-    def in_consensus(self) -> bool:
-        return self._last_sync == self.t
-
-    def agree(self) -> None:
-        """An extra synchronization now; the next ones stay at multiples of ``h``."""
-        self._synchronize()
-
-    def sync_buffers(self) -> None:
-        """Nothing to do right after a synchronization: it averaged the buffers too."""
-        if not self.in_consensus():
-            super().sync_buffers()
-
-    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self.in_consensus():
-            self._synchronize()
-
-
 def optimizer_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The optimizer's per-element state of ``params`` (SGD momentum, Adam's two moments), not scalars like ``step``."""
     out = []
@@ -520,78 +387,3 @@ def optimizer_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tenso
             if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
                 out.append(value)
     return out
-
-
-class GradientMethod(Method):
-    """Workers exchange a compressed message of each step's gradient; the optimizer sees the decompressed average.
-
-    The exchange runs in the optimizer's pre-step hook through
-    :meth:`reduce_gradients`, idempotent per step, so that gradient clipping
-    can call it first and clip the averaged gradient. The gradients of the
-    trainable parameters are handled as one flat float32 buffer (in
-    ``model.parameters()`` order). The first ``warmup_steps`` steps average
-    the full-precision gradients with one all-reduce (phase ``warmup``), the
-    compressed steps are phase ``train``. Every worker decompresses the same
-    received bytes with the same arithmetic, so every worker hands its
-    optimizer the same gradient and the models stay identical.
-    """
-
-    averages_gradients = True
-
-    def __init__(self, comm: Communicator, topo: Topology, warmup_steps: int) -> None:
-        super().__init__(comm, topo)
-        self.warmup_steps = warmup_steps
-        self.t = 0  # optimizer steps taken
-        self.params: list[nn.Parameter] = []
-        self.numels: list[int] = []
-
-    @property
-    def phase(self) -> str:
-        return "warmup" if self.t < self.warmup_steps else "train"
-
-    def prepare(self, model: nn.Module) -> nn.Module:
-        model = super().prepare(model)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.numels = [p.numel() for p in self.params]
-        self.build(sum(self.numels))
-        return model
-
-    def build(self, numel: int) -> None:
-        """Allocate the method's state for a flat gradient of ``numel`` elements."""
-
-    def warmup(self, own: torch.Tensor, average: torch.Tensor) -> None:
-        """A full-precision step: this worker's flat gradient and the average over all workers."""
-
-    def exchange(self, flat: torch.Tensor) -> torch.Tensor:
-        """Compress ``flat`` (this worker's gradient), exchange, return the decompressed average (same on every worker)."""
-        raise NotImplementedError
-
-    def reduce_gradients(self) -> None:
-        """Replace this step's gradients by the (compressed) average over all workers (idempotent per step)."""
-        if self._reduced:
-            return
-        self._reduced = True
-        assert self.module is not None, "prepare() first"
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in self.params])
-        phase = self.phase
-        with torch.profiler.record_function(f"abtrain::{self.name}::{phase}"), self.comm.ledger.in_phase(phase):
-            if self.t < self.warmup_steps:
-                average = self.comm.all_reduce(flat.clone(), self.topo.world, average=True)
-                self.warmup(flat, average)
-            else:
-                average = self.exchange(flat)
-        # Copied, never aliased: clipping scales p.grad in place and must not touch the method's state.
-        with torch.no_grad():
-            for p, chunk in zip(self.params, average.split(self.numels)):
-                if p.grad is None:
-                    p.grad = chunk.view_as(p).to(p.dtype).clone()
-                else:
-                    p.grad.copy_(chunk.view_as(p))
-
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.reduce_gradients()
-
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._reduced = False
-        self.t += 1

@@ -25,7 +25,7 @@ from torch import nn
 from ..comm import Communicator
 from ..topology import Topology
 from ..validate import Options, opt
-from .base import PeriodicMethod
+from .periodic import PeriodicMethod
 from .registry import MethodSpec, register
 
 

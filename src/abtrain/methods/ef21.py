@@ -30,7 +30,7 @@ import torch
 from ..comm import Communicator
 from ..topology import Topology
 from ..validate import Options, opt
-from .base import GradientMethod
+from .gradient import GradientMethod
 from .registry import MethodSpec, register
 
 

@@ -29,7 +29,8 @@ import torch
 from ..comm import Communicator
 from ..topology import Topology
 from ..validate import Options, opt
-from .base import PeriodicMethod, optimizer_moments
+from .base import optimizer_moments
+from .periodic import PeriodicMethod
 from .registry import MethodSpec, register
 
 

@@ -17,7 +17,7 @@ import torch
 from ..comm import Communicator
 from ..topology import Topology
 from ..validate import Options, opt
-from .base import PeriodicMethod
+from .periodic import PeriodicMethod
 from .registry import MethodSpec, register
 
 

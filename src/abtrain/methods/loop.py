@@ -13,13 +13,18 @@ between ``backward()`` and ``step()`` sees the gradient the optimizer will apply
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
 
 #: the key under which the attached optimizer's ``state_dict()`` carries the method's state
 STATE_KEY = "abtrain"
@@ -121,3 +126,111 @@ def ddp_calling(module: nn.Module, depth: int = 40) -> DistributedDataParallel |
 DDP_AROUND = ("the model prepare() returned is wrapped in DistributedDataParallel, whose all-reduces the ledger "
               "cannot count (and which fight the method's own averaging): drop the DDP wrapper and call the model "
               "prepare() returned; method.no_sync() replaces DDP's no_sync()")
+
+
+class LoopContract:
+    """The part of :class:`~abtrain.methods.base.Method` that keeps DDP's contract in a user's loop: the average
+    at the end of backward, ``no_sync()``, the first training forward (eager, no DDP around it) and the method's
+    state in the optimizer's state_dict. Its attributes are set by ``Method.__init__``."""
+
+    name: str
+    averages_gradients: bool
+    comm: Any
+    topo: Any
+    module: nn.Module | None
+    ddp: DistributedDataParallel | None
+    steps: int
+    _attached: tuple[torch.optim.Optimizer, list[Any]] | None
+    _reduced: bool
+    _no_sync: int
+    _backward: BackwardWatch
+    _first_forward: EagerFirstForward
+    _forward_hook: Any
+    _loaded_state: dict[str, Any] | None
+    _awaiting_state: bool
+
+    def reduce_gradients(self) -> None:
+        """Average this step's gradients (the method's own; a no-op by default)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _hook_module(self, model: nn.Module) -> None:
+        """What the prepared module does for the method: its first training forward runs eagerly and checks that no
+        DistributedDataParallel calls it; a state loaded into it while attached expects the method's state too."""
+        if self._forward_hook is None:
+            self._first_forward.start()
+            self._forward_hook = model.register_forward_pre_hook(self._first_training_forward)
+            # torch marks the hooks it is given with an attribute, which a bound method cannot take: wrap them
+            model.register_load_state_dict_post_hook(functools.partial(LoopContract._model_loaded, self))
+
+    def _first_training_forward(self, module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self._forward_hook.remove()
+        caller = ddp_calling(module)
+        if caller is not None and caller is not self.ddp:
+            self._first_forward.stop()
+            raise RuntimeError(DDP_AROUND)
+        handle: list[Any] = []
+
+        def finished(*_: Any) -> None:  # the first forward has run eagerly: compile from the next call on
+            handle[0].remove()
+            self._first_forward.stop()
+
+        handle.append(module.register_forward_hook(finished, always_call=True))
+
+    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        if self._attached is not None:
+            self._awaiting_state = True  # a resume: the optimizer's state_dict should bring the method's (_pre_step)
+
+    def _save_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        state[STATE_KEY] = {"method": self.name, "state": self.state_dict(), "steps": self.steps,
+                            "ledger": self.comm.ledger.state_dict()}
+
+    def _take_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        state = dict(state)  # the caller's dict stays as it was
+        self._loaded_state = state.pop(STATE_KEY, None)
+        return state
+
+    def _restore_state(self, optimizer: torch.optim.Optimizer) -> None:
+        saved, self._loaded_state = self._loaded_state, None
+        if saved is None:
+            return
+        if saved["method"] != self.name:
+            raise ValueError(f"the checkpoint was saved by method {saved['method']!r}, this run uses "
+                             f"{self.name!r}: resume with the method that wrote it")
+        self.load_state_dict(saved["state"])
+        self.steps = saved["steps"]
+        self.comm.ledger.load_state_dict(saved["ledger"])
+        self._awaiting_state = False
+        self._resumed()
+
+    def _resumed(self) -> None:
+        """Runs after the method's state was restored from a checkpoint (the method may re-arm its hooks)."""
+
+    def _watch_backward(self) -> None:
+        """Follow the trainable parameters (a decomposition may have made new ones) for the end of backward."""
+        if self.averages_gradients and self.module is not None and self._attached is not None:
+            self._backward.watch([p for p in self.module.parameters() if p.requires_grad])
+
+    def _grad_accumulated(self) -> None:
+        self._reduced = False
+
+    def _backward_done(self) -> None:
+        """The end of a backward pass: average now, as DDP does, unless inside no_sync()."""
+        if self._attached is not None and not self._no_sync:
+            self.reduce_gradients()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As DDP's ``no_sync()``: backward passes inside the block accumulate ``.grad`` locally and send nothing;
+        the first backward after it (or the optimizer step) averages the accumulated gradient."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1

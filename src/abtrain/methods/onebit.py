@@ -37,7 +37,7 @@ import torch
 from ..comm import Communicator
 from ..topology import Topology
 from ..validate import Options, opt
-from .base import GradientMethod
+from .gradient import GradientMethod
 from .registry import MethodSpec, register
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
