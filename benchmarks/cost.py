@@ -409,16 +409,23 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=WORKERS)
-    results = []
+    results, skipped = [], []
+    start = time.perf_counter()
     try:
         for model_name in args.models:
             for variant in args.methods:
+                # rank 0 alone decides whether time is left, so that both workers measure the same runs
+                go = [args.budget is None or time.perf_counter() - start < args.budget]
+                dist.broadcast_object_list(go, src=0)
+                if not go[0]:
+                    skipped.append(f"{model_name}/{variant}")
+                    continue
                 if rank == 0:
                     print(f"  {model_name} / {variant} ...", flush=True)
                 results.append({"model": model_name, "variant": variant, **measure(model_name, variant, args, rank)})
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"backend": backend, "results": results}, f)
+            json.dump({"backend": backend, "results": results, "skipped": skipped}, f)
         dist.destroy_process_group()
 
 
@@ -565,6 +572,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cycles", type=int, default=3, help="AB-training's measured runs: syncs (and truncations)")
     ap.add_argument("--run-steps", type=int, default=10_000,
                     help="the run over whose default schedule event times are amortised")
+    ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="start no further run (model and method) after this many seconds of measuring; "
+                         "the runs left out are listed")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cost.json"))
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
@@ -615,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda"
     print()
     print(table(rows, cuda))
+    skipped = per_rank[0]["skipped"]
+    if skipped:
+        print(f"left out after --budget {args.budget:.0f} s: {', '.join(skipped)}")
     ab = [r for r in rows if r["variant"] == "ab"]
     for r in ab:
         print(f"{r['model']}: AB-training's default schedule over {args.run_steps} steps: "
@@ -625,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "device": args.device, "device_name": device_name,
         "cpu_count": os.cpu_count(), "workers": WORKERS, "threads": args.threads, "backend": per_rank[0]["backend"],
         "size": args.size, "full": args.full, "warm": args.warm, "steps": args.steps, "cycle": args.cycle,
-        "cycles": args.cycles, "run_steps": args.run_steps, "models": descriptions, "rows": rows,
+        "cycles": args.cycles, "run_steps": args.run_steps, "budget": args.budget, "skipped": skipped,
+        "models": descriptions, "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,5 +1,6 @@
 """benchmarks/cost.py on its tiniest setting: the JSON's fields, DDP's training state equal to its formula,
-the amortised time equal to the schedule's counts times the measured medians."""
+the amortised time equal to the schedule's counts times the measured medians; benchmarks/gpu_check.py
+refusing to start without CUDA."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from abtrain.memory import dense_training_state_bytes
 from abtrain.methods.ab import ABConfig, Schedule
@@ -81,3 +83,13 @@ def test_the_amortised_time_follows_the_default_schedule(record):
     total = sum(n * steps[p] for p, n in plan["phase_steps"].items())
     total += sum(n * events[e] for e, n in plan["events"].items())
     assert ab["amortised_step_seconds"] == pytest.approx(total / 2000)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_check_stops_at_once_without_cuda(tmp_path):
+    script = os.path.join(os.path.dirname(SCRIPT), "gpu_check.py")
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "check")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("gpu_check: CUDA is not available here") and "--allow-cpu" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "check").exists()
