@@ -466,11 +466,10 @@ def summarise(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
     counts, event_counts, schedule = default_phases(variant, args.run_steps)
     missing = [p for p, n in counts.items() if n and p not in step_by_phase]
     missing += [e for e, n in event_counts.items() if n and e not in event_medians]
-    amortised = None
+    amortised = events_per_step = None
     if not missing:
-        total = sum(n * step_by_phase[p] for p, n in counts.items() if n)
-        total += sum(n * event_medians[e] for e, n in event_counts.items() if n)
-        amortised = total / args.run_steps
+        events_per_step = sum(n * event_medians[e] for e, n in event_counts.items() if n) / args.run_steps
+        amortised = sum(n * step_by_phase[p] for p, n in counts.items() if n) / args.run_steps + events_per_step
     main_phase = max(counts, key=counts.get)
     products = [r["lowrank_product_seconds"] for r in per_rank if r["lowrank_product_seconds"] is not None]
     from abtrain.memory import dense_training_state_bytes
@@ -486,6 +485,7 @@ def summarise(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         "default_schedule": {"run_steps": args.run_steps, "phase_steps": counts, "events": event_counts, **schedule},
         "missing": missing,
         "amortised_step_seconds": amortised,
+        "amortised_event_seconds": events_per_step,  # the syncs' and decompositions' share of it
         "training_state_bytes": max(r["training_state_bytes"] for r in per_rank),
         "training_state_bytes_by_rank": [r["training_state_bytes"] for r in per_rank],
         "training_state_by_phase_by_rank": [r["training_state_by_phase"] for r in per_rank],
@@ -629,6 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"left out after --budget {args.budget:.0f} s: {', '.join(skipped)}")
     ab = [r for r in rows if r["variant"] == "ab"]
+    for r in (r for r in rows if r["method"] == "ab"):
+        events = r["default_schedule"]["events"]
+        share = ("" if r["amortised_event_seconds"] is None else
+                 f": {1000 * r['amortised_event_seconds']:.1f} ms per step from the events")
+        print(f"{r['model']} {r['variant']}: {events['sync']} syncs, {events['decompose_first']} + "
+              f"{events['decompose']} decompositions in {args.run_steps} steps{share}")
     for r in ab:
         print(f"{r['model']}: AB-training's default schedule over {args.run_steps} steps: "
               f"{r['default_schedule']['describe']}")
