@@ -613,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                            "matrix_shapes": shapes}
         print(f"{m}: {text}, {descriptions[m]['params']:,} parameters")
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else (platform.processor() or platform.machine())
+    load_before = os.getloadavg()  # whatever else runs on the machine shares its cores with the workers
     print(f"{WORKERS} workers, {args.threads} thread(s) each, device {args.device} ({device_name}), "
           f"torch {torch.__version__}; amortised over {args.run_steps} steps")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -642,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "cost.py"] + (argv or sys.argv[1:])),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.time() - started,
         "torch": torch.__version__, "device": args.device, "device_name": device_name,
-        "cpu_count": os.cpu_count(), "workers": WORKERS, "threads": args.threads, "backend": per_rank[0]["backend"],
+        "cpu_count": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "workers": WORKERS, "threads": args.threads, "backend": per_rank[0]["backend"],
         "size": args.size, "full": args.full, "warm": args.warm, "steps": args.steps, "cycle": args.cycle,
         "cycles": args.cycles, "run_steps": args.run_steps, "budget": args.budget, "skipped": skipped,
         "models": descriptions, "rows": rows,
@@ -650,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
+    print(f"load average (1, 5, 15 min) before {', '.join(f'{v:.2f}' for v in load_before)}, after "
+          f"{', '.join(f'{v:.2f}' for v in record['load_average_after'])} on {os.cpu_count()} cores")
     print(f"wrote {os.path.relpath(os.path.abspath(args.out), ROOT)} ({time.time() - started:.0f} s)")
     return 0
 
