@@ -253,7 +253,6 @@ class ABTraining(Method):
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         for g, lr in zip(optimizer.param_groups, self._saved_lrs):
             g["lr"] = lr  # the user's schedule continues from its own value
-        self._reduced = False
         self.t += 1
         if any(fp.mode == "lowrank" for fp in self._kept_records()):
             self._keep_output_full()

@@ -59,7 +59,8 @@ class Method(LoopContract):
         self._measure_steps = 0  # steps still to measure since the state last changed shape (see note_state_change)
         self._measured_phase: str | None = None
         self.steps = 0  # optimizer steps taken while attached
-        self._reduced = False  # the gradients in .grad are averaged (a gradient accumulated since clears it)
+        # the gradients in .grad are averaged; a gradient accumulated since, or the end of a step, clears it
+        self._reduced = False
         self._no_sync = 0  # depth of no_sync() blocks
         self._backward = BackwardWatch(self._grad_accumulated, self._backward_done)
         self._first_forward = EagerFirstForward()

@@ -81,5 +81,4 @@ class GradientMethod(Method):
         self.reduce_gradients()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._reduced = False
         self.t += 1

@@ -72,10 +72,6 @@ class HLocalSGD(PeriodicMethod):
         self._optimizer = optimizer
         self.reduce_gradients()
 
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._reduced = False
-        super().after_step(optimizer)
-
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
         super().finalize(optimizer)
