@@ -102,6 +102,12 @@ for name, flags in configs:
                          else None for r in runs],
         "ranks": [[{"step": d["step"], "ratio": d["compression_ratio"], "layers": d["layers"]}
                    for d in r.get("ranks", [])] for r in runs],
+        # what benchmarks/projection.py needs of each run: its evaluations and its ledger's rows
+        "runs": [{"seed": s, "steps": r["steps"], "steps_per_epoch": r["steps_per_epoch"], "params": r["params"],
+                  "world_size": r["world_size"], "history": [[h["step"], h[metric]] for h in r["history"]],
+                  "comm_rows": [{k: row[k] for k in ("op", "scope", "phase", "group_size", "calls", "payload_bytes",
+                                                     "wire_bytes")} for row in r["comm"]["rows"]]}
+                 for s, r in zip([s for s in seeds if (name, s) in results], runs)],
     }
     rows.append(row)
 
