@@ -251,8 +251,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ab-cap-state": ("ab", {"rank_cap": "state"}),
     "ab-cap-none": ("ab", {"rank_cap": "none"}),
     "ab-r0.25": ("ab", {"rank_fraction": 0.25}),
+    "diloco": ("diloco", {}),
+    "streaming-diloco": ("streaming-diloco", {}),
+    "demo": ("demo", {}),
 }
-DEFAULT_METHODS = "none,ddp,powersgd,ab,ab-cap-state,ab-cap-none,ab-r0.25"
+DEFAULT_METHODS = "none,ddp,powersgd,ab,ab-cap-state,ab-cap-none,ab-r0.25,diloco,streaming-diloco,demo"
 
 
 def plan(variant: str, args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -288,6 +291,8 @@ def default_phases(variant: str, run_steps: int) -> tuple[dict[str, int], dict[s
         from abtrain.methods.powersgd import PowerSGDConfig
         start = min(run_steps, PowerSGDConfig(**options).start_iter)
         return {"warmup": start, "train": run_steps - start}, {}, {"start_iter": start}
+    if name in ("diloco", "streaming-diloco"):  # the inner steps; an outer step's arithmetic (a few vector
+        return {"inner": run_steps}, {}, {}      # operations per parameter every H steps) is left out
     return {"local" if name == "none" else "train": run_steps}, {}, {}
 
 
@@ -337,7 +342,9 @@ def measure(model_name: str, variant: str, args: argparse.Namespace, rank: int) 
         torch.cuda.reset_peak_memory_stats(device)
     method = abtrain.setup(name, total_steps=total, device=args.device, quiet=True, **options)
     module = method.prepare(net)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    # DeMo hands the optimizer sign(...) of its own momentum and takes plain SGD (as its authors run it)
+    opt = (torch.optim.SGD(module.parameters(), lr=1e-4) if name == "demo"
+           else torch.optim.AdamW(module.parameters(), lr=1e-4))
     events: list[tuple[str, float]] = []
     if name == "ab":
         _time_calls(method, "_sync", lambda *a, **k: "sync", device, events)
