@@ -40,8 +40,8 @@ PENDING = {
         "quick-budget numbers (60 steps, seed 0) are in "
         "[`docs/methods.md`](methods.md#measured-the-benchs-quick-budgets-one-seed), \"Measured: the "
         "bench's quick budgets, one seed\". Full-budget GPT runs of the defaults against DDP, PowerSGD "
-        "and DiLoCo, made before the rank cap and partly on other machines, are in "
-        "[`docs/benchmarks.md`](benchmarks.md#the-defaults), \"The defaults\"."),
+        "and DiLoCo, made before the rank cap and partly on other machines, are in the note "
+        "[`docs/notebook/2026-12-the-defaults.md`](notebook/2026-12-the-defaults.md), \"The defaults\"."),
 }
 MACHINE = ("one machine with 2 CPU cores and no GPU (gloo over loopback), 4 workers in 2 groups, "
            "every method with the flags `abtrain bench` gives it on the workload; the machine ran "
@@ -227,9 +227,11 @@ def results_page(reports: list[Report]) -> str:
             lines += para(PENDING[w]) + [""]
     lines += ["## Elsewhere", ""] + para(
         "What each method sends, its byte formula, and what these tables say method by method: "
-        "[`docs/methods.md`](methods.md). The runs that chose AB-training's defaults, its other "
-        "configurations and the runs through a shaped network between nodes: "
-        "[`docs/benchmarks.md`](benchmarks.md) and [`docs/ab-training.md`](ab-training.md).")
+        "[`docs/methods.md`](methods.md). AB-training's defaults and why: "
+        "[`docs/ab-training.md`](ab-training.md). How to reproduce these tables: "
+        "[`docs/benchmarks.md`](benchmarks.md). The runs that chose the defaults, AB-training's other "
+        "configurations and the runs through a shaped network between nodes, as dated notes: "
+        "[`docs/notebook/`](notebook/README.md).")
     return "\n".join(lines) + "\n"
 
 

@@ -12,7 +12,7 @@ merged as the sync does with --ab-tangent-core mean. Timed, each the median of t
   (update reads it as its transpose).
 
 The default shapes and ranks are the wide Fashion-MNIST model's fc1 and fc2 at the ranks the GPT's
-configuration keeps (docs/benchmarks.md, "Updating the SVD after a low-rank sync"). It also prints
+configuration keeps (docs/notebook/2026-12-svd-update.md, "Updating the SVD after a low-rank sync"). It also prints
 how far the updated singular values are from the full SVD's, and the updated SVD's relative residual
 ‖W − U·S·Vᵀ‖_F / ‖W‖_F. Writes benchmarks/results/svd_update.json.
 """
