@@ -36,7 +36,7 @@ reported (the run goes at its pace):
   (not truncated) apart from the later, truncated ones; and the time to form every low-rank W = A·B once
   (what the forward pass adds per step with --ab-linear-apply weight), on the last AB step;
 - amortised: the time per step of a run of ``--run-steps`` steps on the method's default
-  schedule (AB-training's schedule scales with the run: ab_schedule.Schedule, the first
+  schedule (AB-training's schedule scales with the run: abtrain.methods.ab.Schedule, the first
   decomposition, the syncs and the truncations it holds), from the medians above; the extra
   time per step against DDP's step and against no communication's, and as % of DDP's step;
 - training state: the most bytes any worker held after a step (abtrain.memory: parameters,

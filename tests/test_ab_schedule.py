@@ -8,8 +8,7 @@ from torch import nn
 
 from abtrain.comm import Communicator
 from abtrain.config import TrainConfig, merge, nest, read_config_file
-from abtrain.methods.ab import ABConfig, ABTraining, Schedule
-from abtrain.methods.ab_config import EARLIER_DEFAULTS, PAPER
+from abtrain.methods.ab import EARLIER_DEFAULTS, PAPER, ABConfig, ABTraining, Schedule
 from abtrain.topology import Topology
 
 

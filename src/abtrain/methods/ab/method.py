@@ -27,21 +27,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import lowrank
-from ..comm import Communicator
-from ..grad_buckets import OverlappedAverage
-from ..memory import moments_per_element
-from ..reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
-from ..topology import Topology
-from .ab_config import TANGENT_CORES, ABConfig, check_topology, default_group_size, group_layout
-from .ab_schedule import Schedule, check_run
-from .ab_sync import average_models, full_rank_tensors
-from .base import Method, optimizer_moments
-from .registry import MethodSpec, register
+from ... import lowrank
+from ...comm import Communicator
+from ...memory import moments_per_element
+from ...reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
+from ...topology import Topology
+from ..base import Method, optimizer_moments
+from ..registry import MethodSpec, register
+from .buckets import OverlappedAverage
+from .config import TANGENT_CORES, ABConfig, check_topology, group_layout
+from .schedule import Schedule, check_run
+from .sync import average_models, full_rank_tensors
 
 log = logging.getLogger(__name__)
-
-__all__ = ["ABConfig", "ABTraining", "Schedule", "check_topology", "default_group_size"]
 
 LOSS_JUMP = 1.5  # a truncation that lifts the training loss by this factor is reported
 LOSS_WINDOW = 10  # steps of training loss compared before and after a truncation

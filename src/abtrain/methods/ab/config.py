@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from .. import lowrank
-from ..reducers import DENSE_REDUCERS, WIRE_DTYPES
-from ..validate import Options, opt
+from ... import lowrank
+from ...reducers import DENSE_REDUCERS, WIRE_DTYPES
+from ...validate import Options, opt
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")

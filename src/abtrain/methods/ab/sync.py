@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import lowrank
-from ..comm import Communicator, Group
-from ..reducers import PowerSGDReducer
+from ... import lowrank
+from ...comm import Communicator, Group
+from ...reducers import PowerSGDReducer
 
 
 def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from .. import lowrank
-from .ab_config import ABConfig
+from ... import lowrank
+from .config import ABConfig
 
 
 @dataclass(frozen=True)

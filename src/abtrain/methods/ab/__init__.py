@@ -1,0 +1,13 @@
+"""AB-training (docs/ab-training.md): independent groups train low-rank factors A or B, periodic sync.
+
+Importing the package registers the method under "ab" (:mod:`.method`).
+"""
+
+from __future__ import annotations
+
+from .config import EARLIER_DEFAULTS, PAPER, ABConfig, check_topology, default_group_size
+from .method import ABTraining
+from .schedule import Schedule
+
+__all__ = ["EARLIER_DEFAULTS", "PAPER", "ABConfig", "ABTraining", "Schedule", "check_topology",
+           "default_group_size"]
