@@ -1,6 +1,9 @@
 """AB-training (docs/ab-training.md): independent groups train low-rank factors A or B, periodic sync.
 
-Importing the package registers the method under "ab" (:mod:`.method`).
+Importing the package registers the method under "ab" (:mod:`.method`). Its files:
+``method`` (:class:`ABTraining` and its hooks), ``core`` (the state its parts
+share), ``decomposition``, ``sync``, ``consensus``, ``schedule``, ``config``
+(:class:`ABConfig` and the presets) and ``buckets`` (in-group gradient averaging).
 """
 
 from __future__ import annotations
