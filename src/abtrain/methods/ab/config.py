@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
 from ... import lowrank
 from ...reducers import DENSE_REDUCERS, WIRE_DTYPES
 from ...validate import Options, opt
@@ -34,9 +33,9 @@ PAPER: dict[str, Any] = {
     "sync_moments": False, "min_rank": 1, "init": "ortho-sigma",
 }
 
-#: The defaults before they became the configuration measured best on all three bench workloads
-#: (docs/benchmarks.md, "The defaults"); ``examples/ab-earlier-defaults.toml`` holds the same, so that
-#: every result measured with them can be reproduced to the byte.
+#: The configuration of the results that docs/benchmarks.md and docs/ab-training.md call "the earlier
+#: defaults", kept so that each can be reproduced to the byte (``examples/ab-earlier-defaults.toml`` holds
+#: the same).
 EARLIER_DEFAULTS: dict[str, Any] = {
     "warmup_fraction": 0.5, "cycle_fraction": 0.06, "tau": 0.15, "split": "sqrt", "sync_payload": "factors",
     "tangent_core": "sum", "powersgd_rank": 8,

@@ -234,7 +234,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         self.dense.load_state_dict(state["dense"])
         self._frozen = dict(state.get("frozen", {}))
         self._bases = {name: tuple(b) for name, b in state.get("vectors", {}).items()}
-        if state.get("bases"):  # an earlier layout: the whole SVD of each layer
+        if state.get("bases"):  # a checkpoint that holds each layer's whole SVD, not only the vectors kept here
             a_role = self._trained_role() == "A"
             self._bases = {name: (u if a_role else vh, s) for name, (u, s, vh) in state["bases"].items()}
         if self._compressor is not None and state.get("sync_compressor") is not None:
