@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ STATE_POLICIES = ("keep", "map", "reset")
 SVD_MODES = ("full", "update")
 INITS = ("default", "ortho-sigma")
 RANK_CAPS = ("pays", "state", "none")
-DEFAULT_TAU = 0.05  # the relative cut-off used when no rank rule is given (the reference experiments: 0.15)
+DEFAULT_TAU = 0.05  # the rank rule when none is given; why this value: docs/ab-training.md, "Defaults"
 
 #: The method as its authors' code runs it, where abtrain's defaults differ (those were measured to send fewer
 #: bytes between nodes: docs/benchmarks.md): fp32 full-rank phases and sync, with-stale, the sqrt split,
@@ -58,7 +59,7 @@ class ABConfig(Options):
     cycle_steps: int | None = opt(None, "steps per cycle, instead of the fraction: a sync at every multiple of it after the warm-up")
     rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F, less than a cycle), instead of the fraction; 0 re-decomposes right after the sync")
     lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
-    tau: float | None = opt(None, "rank rule: keep the singular values above tau * sigma_1 (default 0.05 when no other rank rule is given)")
+    tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")
     rank: int | None = opt(None, "fixed rank for every factorised layer")
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
     energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
@@ -114,6 +115,7 @@ class ABConfig(Options):
             raise ValueError(f"choose one rank rule, got {', '.join('--ab-' + r.replace('_', '-') for r in rules)}")
         if not rules:
             self.tau = DEFAULT_TAU
+        _ = self.rule  # RankRule checks the values: a bad one fails here, before any training
         # None: follow the sync mode. The low-rank change and the averaged core need the tangent merge of only-learned.
         if self.split is None:
             self.split = "tangent" if self.sync == "only-learned" else "sqrt"
@@ -122,7 +124,6 @@ class ABConfig(Options):
             self.sync_payload = "lowrank" if tangent_merge else "factors"
         if self.tangent_core is None:
             self.tangent_core = "mean" if tangent_merge else "sum"
-        self.rank_rule()  # validates the values
         if self.min_compression is not None and self.min_compression <= 0:
             raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
         if self.split == "tangent" and self.sync == "with-stale":
@@ -151,7 +152,9 @@ class ABConfig(Options):
         """True when the schedule is given as fractions of the run, which must then be told its length."""
         return self.warmup_steps is None or self.cycle_steps is None
 
-    def rank_rule(self) -> lowrank.RankRule:
+    @functools.cached_property
+    def rule(self) -> lowrank.RankRule:
+        """The rank rule these options give, built once (when the options are checked)."""
         try:
             return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction, energy=self.energy)
         except ValueError as exc:

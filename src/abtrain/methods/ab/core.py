@@ -40,7 +40,6 @@ class ABCore(Method):
         # only-b over "world": one group of all workers, low-rank DP on B every step. The ledger's
         # scopes still follow the physical groups (topo.world crosses them); only the reduction widens.
         self.train_group = topo.world if only_b and self.cfg.only_b_groups == "world" else topo.group
-        self.rule = self.cfg.rank_rule()
         self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank,
                                    powersgd_dtype=self.cfg.powersgd_dtype)
         self.plain = build_reducer("fp32", comm)  # the first dense_start_steps steps

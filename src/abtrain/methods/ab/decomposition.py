@@ -21,7 +21,7 @@ class ABDecomposition(ABCore):
             svds = [self._svd(fp) for fp in records]
             if truncate:
                 floor = [min(self.cfg.min_rank, int(s.S.numel())) for s in svds]
-                ranks = torch.tensor([max(f, self.rule.choose(s.S)) for f, s in zip(floor, svds)],
+                ranks = torch.tensor([max(f, self.cfg.rule.choose(s.S)) for f, s in zip(floor, svds)],
                                      dtype=torch.int64, device=self.topo.device)
                 # Every worker must use the same rank per layer.
                 self.comm.all_reduce(ranks, self.topo.world, op="max")
