@@ -282,7 +282,7 @@ def default_phases(variant: str, run_steps: int) -> tuple[dict[str, int], dict[s
         decompositions = sum(sched.decomposes_at(t) for t in range(1, run_steps + 1)) + (sched.warmup == 0)
         first = 1 if sched.warmup < run_steps else 0
         events = {"sync": sched.syncs(), "decompose_first": first, "decompose": decompositions - first}
-        return phases, events, {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle,
+        return phases, events, {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps,
                                 "rebound_steps": sched.rebound, "describe": sched.describe()}
     if name == "powersgd":
         from abtrain.methods.powersgd import PowerSGDConfig

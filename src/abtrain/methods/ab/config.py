@@ -45,7 +45,13 @@ EARLIER_DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class ABConfig(Options):
-    """Options of AB-training; the CLI exposes each as ``--ab-<name>``."""
+    """Options of AB-training; the CLI exposes each as ``--ab-<name>``.
+
+    The schedule's period, ``cycle_steps`` (a sync at every multiple of it after the warm-up), is the
+    option of that name when given, else ``max(2, round(cycle_fraction * total_steps))`` for a run of
+    ``total_steps``; the rebound and the learning-rate ramp are shares of it. :class:`~.schedule.Schedule`
+    holds the steps.
+    """
 
     section = "ab"
     #: options of which one at most may be given; a config file's is replaced by a flag's (``config.merge``)
@@ -105,7 +111,7 @@ class ABConfig(Options):
                                  f"got {value!r}")
         if self.cycle_steps is not None and self.rebound_steps is not None and self.rebound_steps >= self.cycle_steps:
             raise ValueError(f"--ab-rebound-steps (F={self.rebound_steps}) must be smaller than --ab-cycle-steps "
-                             f"(K={self.cycle_steps}): each cycle is F rebound steps then K-F AB steps")
+                             f"({self.cycle_steps}): each cycle is F rebound steps, then AB steps")
         if self.min_rank < 1:
             raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
         if self.powersgd_rank < 1:

@@ -49,9 +49,9 @@ class ABConsensus(ABSync, ABDecomposition):
         as at a scheduled truncation). With ``split="tangent"`` the A- and
         B-groups hold U·σ | Vᵀ and U | σ·Vᵀ of that one W, so their A·B agree up
         to the rounding of the two products, not bit for bit. The schedule
-        does not move: the next sync still falls at the next multiple of K, no
-        LR ramp starts, ranks are not re-chosen. Factor moments are kept as at
-        every re-decomposition (``optimizer_state``).
+        does not move: the next sync still falls at the next multiple of
+        ``cycle_steps``, no LR ramp starts, ranks are not re-chosen. Factor
+        moments are kept as at every re-decomposition (``optimizer_state``).
         """
         optimizer = self._optimizer
         if optimizer is None:

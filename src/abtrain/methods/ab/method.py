@@ -8,11 +8,11 @@ optimizer steps ``t`` and, by default, scales with the run (the fractions of
 * ``t == T_w``: every factorisable weight is split by SVD into A·B (full rank
   the first time), phase ``ab`` starts: A-groups train A, B-groups train B,
   gradients averaged inside the group only.
-* at every multiple of K after ``T_w``: sync (phase ``sync``: factors and
-  full-rank parameters averaged over all workers, W = Ā·B̄), then F steps of
-  full-rank DP (phase ``rebound``), then a truncated decomposition and AB
-  steps until the next multiple of K. With F = 0 the sync and the truncated
-  decomposition follow each other at once.
+* at every multiple of ``cycle_steps`` after ``T_w``: sync (phase ``sync``:
+  factors and full-rank parameters averaged over all workers, W = Ā·B̄), then
+  F steps of full-rank DP (phase ``rebound``), then a truncated decomposition
+  and AB steps until the next multiple of ``cycle_steps``. With F = 0 the sync
+  and the truncated decomposition follow each other at once.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
             **({"model_params": self.ranks[-1]["model_params"]} if self.ranks else {}),
             "ranks": self.ranks,
             "phases": sched.ranges(self.t),
-            "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle, "rebound_steps": sched.rebound,
+            "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps, "rebound_steps": sched.rebound,
                          "lr_rebound_steps": sched.lr_rebound, "final_rebound_steps": sched.final_rebound},
             "kept_output_layers": self.kept,
             "svd_seconds": self.svd_seconds,
