@@ -36,7 +36,7 @@ reported (the run goes at its pace):
   (not truncated) apart from the later, truncated ones; and the time to form every low-rank W = A·B once
   (what the forward pass adds per step with --ab-linear-apply weight), on the last AB step;
 - amortised: the time per step of a run of ``--run-steps`` steps on the method's default
-  schedule (AB-training's schedule scales with the run: ab_schedule.Schedule, the first
+  schedule (AB-training's schedule scales with the run: abtrain.methods.ab.Schedule, the first
   decomposition, the syncs and the truncations it holds), from the medians above; the extra
   time per step against DDP's step and against no communication's, and as % of DDP's step;
 - training state: the most bytes any worker held after a step (abtrain.memory: parameters,
@@ -285,7 +285,7 @@ def default_phases(variant: str, run_steps: int) -> tuple[dict[str, int], dict[s
         decompositions = sum(sched.decomposes_at(t) for t in range(1, run_steps + 1)) + (sched.warmup == 0)
         first = 1 if sched.warmup < run_steps else 0
         events = {"sync": sched.syncs(), "decompose_first": first, "decompose": decompositions - first}
-        return phases, events, {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle,
+        return phases, events, {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps,
                                 "rebound_steps": sched.rebound, "describe": sched.describe()}
     if name == "powersgd":
         from abtrain.methods.powersgd import PowerSGDConfig

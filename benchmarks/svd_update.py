@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from abtrain import lowrank
-from abtrain.lowrank.decompose import PINV_RTOL
+from abtrain.lowrank.optimizer_state import PINV_RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 p = argparse.ArgumentParser()

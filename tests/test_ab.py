@@ -15,8 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm import Communicator
 from abtrain.config import merge
-from abtrain.methods.ab import ABConfig, ABTraining
-from abtrain.methods.ab_config import PAPER
+from abtrain.methods.ab import PAPER, ABConfig, ABTraining
 from abtrain.reducers import PowerSGDReducer
 from abtrain.topology import Topology
 from helpers import run_world

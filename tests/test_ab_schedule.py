@@ -8,8 +8,7 @@ from torch import nn
 
 from abtrain.comm import Communicator
 from abtrain.config import TrainConfig, merge, nest, read_config_file
-from abtrain.methods.ab import ABConfig, ABTraining, Schedule
-from abtrain.methods.ab_config import EARLIER_DEFAULTS, PAPER
+from abtrain.methods.ab import EARLIER_DEFAULTS, PAPER, ABConfig, ABTraining, Schedule
 from abtrain.topology import Topology
 
 
@@ -28,13 +27,13 @@ def _phases(s: Schedule, total: int) -> list[tuple[str, int, int]]:
 def test_paper_fractions_scale_with_the_budget(total):
     s = Schedule.from_config(ABConfig(**PAPER), total)
     assert s.warmup == round(0.25 * total)
-    assert s.cycle == max(2, round(0.06 * total))
-    assert 1 <= s.rebound < s.cycle and s.rebound == max(1, round(0.1 * s.cycle))
+    assert s.cycle_steps == max(2, round(0.06 * total))
+    assert 1 <= s.rebound < s.cycle_steps and s.rebound == max(1, round(0.1 * s.cycle_steps))
     assert s.lr_rebound > s.rebound
     phases = _phases(s, total)
     assert phases[0] == ("warmup", 0, s.warmup)
     # a sync at every multiple of K after the warm-up, each followed by F rebound steps
-    syncs = [k * s.cycle for k in range(1, total // s.cycle + 1) if s.warmup < k * s.cycle < total]
+    syncs = [k * s.cycle_steps for k in range(1, total // s.cycle_steps + 1) if s.warmup < k * s.cycle_steps < total]
     assert [start for p, start, _ in phases if p == "rebound"] == syncs
     assert all(end - start == s.rebound for p, start, end in phases if p == "rebound" and end < total)
     assert 10 <= s.syncs() <= 13
@@ -43,14 +42,14 @@ def test_paper_fractions_scale_with_the_budget(total):
 @pytest.mark.parametrize("total", [60, 702, 2000, 45000])
 def test_default_fractions_scale_with_the_budget(total):
     s = Schedule.from_config(ABConfig(), total)
-    assert s.warmup == round(0.01 * total) and s.cycle == max(2, round(0.015 * total))
+    assert s.warmup == round(0.01 * total) and s.cycle_steps == max(2, round(0.015 * total))
     assert s.rebound == 0 and s.lr_rebound == 0  # the next decomposition follows each sync at once
     phases = _phases(s, total)
     assert phases == [("warmup", 0, s.warmup), ("ab", s.warmup, total)]
     # the syncs at the multiples of K, the one after the last step included, and the one that ends a run inside
     # an AB phase (leaving attach() brings every worker to one model)
-    scheduled = len([k for k in range(1, total // s.cycle + 1) if s.warmup < k * s.cycle <= total])
-    assert s.syncs() == scheduled + (1 if total % s.cycle else 0)
+    scheduled = len([k for k in range(1, total // s.cycle_steps + 1) if s.warmup < k * s.cycle_steps <= total])
+    assert s.syncs() == scheduled + (1 if total % s.cycle_steps else 0)
     assert s.syncs() == (30 if total == 60 else 64 if total == 702 else 67)  # about 67 once K is not rounded up to 2
 
 
@@ -95,7 +94,7 @@ def test_a_flags_rank_rule_replaces_the_config_files():
 
 def test_absolute_steps_override_fractions_and_need_no_budget():
     s = Schedule.from_config(ABConfig(warmup_steps=3, cycle_steps=6, rebound_steps=2, lr_rebound_steps=0), None)
-    assert (s.warmup, s.cycle, s.rebound, s.lr_rebound) == (3, 6, 2, 0)
+    assert (s.warmup, s.cycle_steps, s.rebound, s.lr_rebound) == (3, 6, 2, 0)
     assert _phases(s, 20) == [("warmup", 0, 3), ("ab", 3, 6), ("rebound", 6, 8), ("ab", 8, 12),
                               ("rebound", 12, 14), ("ab", 14, 18), ("rebound", 18, 20)]
     with pytest.raises(ValueError, match="total_steps=N"):

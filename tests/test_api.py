@@ -157,7 +157,7 @@ def _setup_in_users_world(steps: int, split: str) -> dict:
     method.attach(opt)
     result = {"groups": method.topo.num_groups, "group_size": method.topo.group_size, "stdout": out.getvalue(),
               "owns": method.topo.owns_world}
-    K = method.schedule.cycle
+    K = method.schedule.cycle_steps
     # Train until inside an AB phase, with the next step still in it (each worker its own data).
     while method.in_consensus() or (method.t + 1) % K == 0:
         assert method.t < steps

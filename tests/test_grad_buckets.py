@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain.grad_buckets import OverlappedAverage
+from abtrain.methods.ab.buckets import OverlappedAverage
 from abtrain.recording import LocalWorld
 
 

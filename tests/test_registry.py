@@ -37,7 +37,7 @@ def test_the_builtin_methods_are_registered_in_their_files():
     assert registry.names() == ["ddp", "ab", "ddp-bf16", "powersgd", "localsgd", "diloco", "streaming-diloco",
                                 "ef21", "onebit", "demo", "hlocalsgd", "none"]
     for spec in registry.specs():
-        assert spec.build.__module__ == f"abtrain.methods.{spec.build.__module__.rsplit('.', 1)[1]}"
+        assert spec.build.__module__.startswith("abtrain.methods.")  # a module of the package, or of a sub-package
         assert spec.options is None or issubclass(spec.options, Options)
     assert [s.name for s in registry.specs() if s.bucket_cap] == ["ddp", "ddp-bf16", "powersgd"]
     with pytest.raises(ValueError, match="unknown method 'nope'; choose one of: ddp, ab"):

@@ -20,15 +20,17 @@ the pieces are exposed separately: :func:`svd` (or :func:`svd_update`) -> :meth:
 all-reduce(MAX) by the caller -> :func:`decompose` / :func:`decompose_all`.
 
 Its rooms: ``layers`` (the parametrization, preparing a model, modes, plain
-state_dict), ``ranks`` (rank rules), ``decompose`` (SVD, factors, optimizer
-state, initialisation), ``report`` (counts, ratios, per-layer lines, the output layer).
+state_dict), ``ranks`` (rank rules), ``decompose`` (SVD, factors, initialisation),
+``optimizer_state`` (the factors' optimizer state resized, mapped into a new basis
+or dropped), ``report`` (counts, ratios, per-layer lines, the output layer).
 """
 
 
-from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, map_state, ortho_sigma_init,
-                        recompose, reset_state, resize_state, svd, svd_update, tangent_parts)
+from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, ortho_sigma_init, recompose, svd,
+                        svd_update, tangent_parts)
 from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
                      plain_state_dict, prepare_model, set_mode, set_trainable)
+from .optimizer_state import map_state, reset_state, resize_state
 from .ranks import RankRule, factors_compress, paying_rank, state_rank
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
                      log_decisions, output_weights)

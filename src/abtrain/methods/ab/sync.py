@@ -2,12 +2,75 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
-from .. import lowrank
-from ..comm import Communicator, Group
-from ..reducers import PowerSGDReducer
+from ... import lowrank
+from ...comm import Communicator, Group
+from ...reducers import PowerSGDReducer
+from ..base import optimizer_moments
+from .config import TANGENT_CORES
+from .core import ABCore
+
+
+class ABSync(ABCore):
+    """The sync part of :class:`~.method.ABTraining`: the groups averaged into one full-rank model."""
+
+    @torch.no_grad()
+    def _sync(self, optimizer: torch.optim.Optimizer, last: bool = False) -> None:
+        """Average the groups into one model; ``last``: no sync follows in this run."""
+        start = time.perf_counter()
+        self.syncs += 1
+        self.note_state_change()
+        low = [fp for fp in self.records if fp.mode == "lowrank"]
+        if self.cfg.optimizer_state == "map":
+            self._frozen = {fp.name: (fp.B if self._trained_role() == "A" else fp.A).detach().clone() for fp in low}
+        with torch.profiler.record_function("abtrain::ab::sync"), self.comm.ledger.in_phase("sync"):
+            buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+            full = full_rank_tensors(self.module, self.records)
+            if self.cfg.optimizer_state == "reset":
+                lowrank.reset_state(optimizer, full + [fp.weight for fp in low])
+            # Parameters trained during the AB phase on every worker (full-rank ones)
+            # carry group-specific optimizer moments: average them too, so that the
+            # rebound that follows is exact data parallelism with one model everywhere.
+            rest = full + buffers + (optimizer_moments(optimizer, full) if self.cfg.sync_moments else [])
+            # tangent: Ā and B̄ were trained against different splits of one SVD; W adds their changes to it
+            bases = ({fp.name: self._basis(fp) for fp in low if fp.name in self._bases}
+                     if self.cfg.sync == "only-learned" else {})
+            changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
+                                     in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
+                                     one_group=self.train_group is self.topo.world and not self.cfg.independent,
+                                     as_change=self._send_as_change(low, bases), compressor=self._compressor,
+                                     flush=self.cfg.sync_flush and (last or not self._sched().ab_after(self.t)))
+            self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
+            factors = self._compressor.take_factors() if self._compressor is not None else {}
+            core = TANGENT_CORES[self.cfg.tangent_core]
+            for fp in low:
+                if fp.mode != "lowrank":
+                    continue
+                if fp.name in factors and fp.name in bases:  # svd="update": W from its parts, kept for the SVD
+                    self._parts[fp.name] = lowrank.tangent_parts(bases[fp.name], *factors[fp.name], core)
+                    lowrank.recompose(fp, parts=self._parts[fp.name])
+                else:
+                    lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name), core=core)
+            self._bases = {}
+            lowrank.set_trainable(self.records, "full")
+        self.sync_seconds += time.perf_counter() - start
+
+    def _send_as_change(self, low: list[lowrank.FactorizedParam],
+                        bases: dict[str, lowrank.SVD]) -> dict[str, lowrank.SVD]:
+        """The tangent layers that send their change of W, with the SVD each started from: with
+        sync_payload="smaller" those whose change (m·n numbers) is smaller than their factors (r·(m + n));
+        with "lowrank" also every layer the compressor takes (q·(m + n) < m·n), whatever its rank, so that
+        what its memory holds is sent at a later sync."""
+        if self.cfg.sync_payload == "factors":
+            return {}
+        compressor = self._compressor
+        return {fp.name: bases[fp.name] for fp in low
+                if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n)
+                                         or (compressor is not None and compressor.rank_for(fp.m, fp.n) is not None))}
 
 
 def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:

@@ -8,16 +8,21 @@ from typing import Any
 
 from torch import nn
 
-from .. import lowrank
-from .ab_config import ABConfig
+from ... import lowrank
+from .config import ABConfig
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """AB-training's schedule in optimizer steps: T_w, K, F, R and the run's length when known."""
+    """AB-training's schedule in optimizer steps and the run's length when known.
+
+    ``warmup`` (T_w) full-rank steps, then a sync at every multiple of ``cycle_steps`` after them, each
+    followed by ``rebound`` (F) full-rank steps; ``lr_rebound`` (R): the learning-rate ramp after each
+    phase switch; ``final_rebound``: full-rank steps that end the run.
+    """
 
     warmup: int
-    cycle: int
+    cycle_steps: int
     rebound: int
     lr_rebound: int
     total: int | None = None
@@ -31,18 +36,20 @@ class Schedule:
                              "(abtrain.setup(..., total_steps=N) or method.set_total_steps(N)), or set warmup_steps and "
                              "cycle_steps (--ab-warmup-steps, --ab-cycle-steps)")
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_fraction * total)
-        cycle = cfg.cycle_steps if cfg.cycle_steps is not None else max(2, round(cfg.cycle_fraction * total))
+        cycle_steps = cfg.cycle_steps if cfg.cycle_steps is not None else max(2, round(cfg.cycle_fraction * total))
         if cfg.rebound_steps is not None:
             rebound = cfg.rebound_steps
         else:
-            rebound = min(cycle - 1, max(1, round(cfg.rebound_fraction * cycle))) if cfg.rebound_fraction else 0
-        if rebound >= cycle:
-            raise ValueError(f"--ab-rebound-steps (F={rebound}) must be smaller than the cycle (K={cycle})")
+            rebound = (min(cycle_steps - 1, max(1, round(cfg.rebound_fraction * cycle_steps)))
+                       if cfg.rebound_fraction else 0)
+        if rebound >= cycle_steps:
+            raise ValueError(f"--ab-rebound-steps (F={rebound}) must be smaller than the cycle ({cycle_steps} steps)")
         if cfg.lr_rebound_steps is not None:
             lr_rebound = cfg.lr_rebound_steps
         else:
-            lr_rebound = max(rebound + 1, round(cfg.lr_rebound_fraction * cycle)) if cfg.lr_rebound_fraction else 0
-        return cls(warmup, cycle, rebound, lr_rebound, total, cfg.final_rebound_steps)
+            lr_rebound = (max(rebound + 1, round(cfg.lr_rebound_fraction * cycle_steps))
+                          if cfg.lr_rebound_fraction else 0)
+        return cls(warmup, cycle_steps, rebound, lr_rebound, total, cfg.final_rebound_steps)
 
     def phase_at(self, t: int) -> str:
         """Phase of optimizer step ``t`` (0-based).
@@ -61,7 +68,7 @@ class Schedule:
             return "warmup"
         if self.total is not None and self.final_rebound and t >= self.total - self.final_rebound:
             return "rebound"
-        last_sync = (t // self.cycle) * self.cycle  # syncs fall at multiples of K after warm-up
+        last_sync = (t // self.cycle_steps) * self.cycle_steps  # syncs fall at its multiples after warm-up
         if last_sync <= self.warmup or t - last_sync >= self.rebound:
             return "ab"
         return "rebound"
@@ -69,17 +76,17 @@ class Schedule:
     def events(self, t: int) -> tuple[bool, bool]:
         """(sync, decompose) due between step ``t - 1`` and step ``t``."""
         before, after = self.phase_at(t - 1), self.phase_at(t)
-        sync = before == "ab" and (after != "ab" or (t % self.cycle == 0 and t > self.warmup))
+        sync = before == "ab" and (after != "ab" or (t % self.cycle_steps == 0 and t > self.warmup))
         return sync, after == "ab" and (before != "ab" or sync)
 
     def ab_after(self, t: int) -> bool:
         """Whether an AB step, hence a sync, follows step ``t`` (True when the run's length is unknown)."""
         if self.total is None:
             return True
-        # after the warm-up every cycle of K steps holds an AB step (F < K) unless the final rebound covers it,
-        # and that runs to the end: one cycle past the warm-up tells
+        # after the warm-up every cycle holds an AB step (rebound < cycle_steps) unless the final rebound covers
+        # it, and that runs to the end: one cycle past the warm-up tells
         start = max(t, self.warmup)
-        return any(self.phase_at(s) == "ab" for s in range(start, min(self.total, start + self.cycle)))
+        return any(self.phase_at(s) == "ab" for s in range(start, min(self.total, start + self.cycle_steps)))
 
     def syncs(self) -> int:
         """Syncs in the whole run (needs ``total``): the scheduled ones, the one after the last step included,
@@ -106,7 +113,7 @@ class Schedule:
         return out
 
     def describe(self) -> str:
-        text = f"warm-up {self.warmup} steps, sync every {self.cycle}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
+        text = f"warm-up {self.warmup} steps, sync every {self.cycle_steps}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
         if self.total is not None:
             text += f": {self.syncs()} syncs in {self.total} steps"
         return text

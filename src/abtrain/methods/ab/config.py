@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-
-from .. import lowrank
-from ..reducers import DENSE_REDUCERS, WIRE_DTYPES
-from ..validate import Options, opt
+from ... import lowrank
+from ...reducers import DENSE_REDUCERS, WIRE_DTYPES
+from ...validate import Options, opt
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
@@ -19,7 +19,7 @@ STATE_POLICIES = ("keep", "map", "reset")
 SVD_MODES = ("full", "update")
 INITS = ("default", "ortho-sigma")
 RANK_CAPS = ("pays", "state", "none")
-DEFAULT_TAU = 0.05  # the relative cut-off used when no rank rule is given (the reference experiments: 0.15)
+DEFAULT_TAU = 0.05  # the rank rule when none is given; why this value: docs/ab-training.md, "Defaults"
 
 #: The method as its authors' code runs it, where abtrain's defaults differ (those were measured to send fewer
 #: bytes between nodes: docs/benchmarks.md): fp32 full-rank phases and sync, with-stale, the sqrt split,
@@ -34,9 +34,9 @@ PAPER: dict[str, Any] = {
     "sync_moments": False, "min_rank": 1, "init": "ortho-sigma",
 }
 
-#: The defaults before they became the configuration measured best on all three bench workloads
-#: (docs/benchmarks.md, "The defaults"); ``examples/ab-earlier-defaults.toml`` holds the same, so that
-#: every result measured with them can be reproduced to the byte.
+#: The configuration of the results that docs/benchmarks.md and docs/ab-training.md call "the earlier
+#: defaults", kept so that each can be reproduced to the byte (``examples/ab-earlier-defaults.toml`` holds
+#: the same).
 EARLIER_DEFAULTS: dict[str, Any] = {
     "warmup_fraction": 0.5, "cycle_fraction": 0.06, "tau": 0.15, "split": "sqrt", "sync_payload": "factors",
     "tangent_core": "sum", "powersgd_rank": 8,
@@ -45,49 +45,55 @@ EARLIER_DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class ABConfig(Options):
-    """Options of AB-training; the CLI exposes each as ``--ab-<name>``."""
+    """Options of AB-training; the CLI exposes each as ``--ab-<name>``.
+
+    The schedule's period, ``cycle_steps`` (a sync at every multiple of it after the warm-up), is the
+    option of that name when given, else ``max(2, round(cycle_fraction * total_steps))`` for a run of
+    ``total_steps``; the rebound and the learning-rate ramp are shares of it. :class:`~.schedule.Schedule`
+    holds the steps.
+    """
 
     section = "ab"
     #: options of which one at most may be given; a config file's is replaced by a flag's (``config.merge``)
     exclusive = (("tau", "rank", "rank_fraction", "energy"),)
 
-    warmup_fraction: float = opt(0.01, "share of the run's steps trained full-rank before the first decomposition (T_w; the paper: 0.25); --ab-warmup-steps overrides it")
-    cycle_fraction: float = opt(0.015, "sync period K as a share of the run's steps (0.015: a sync every 1.5 %% of the run: 63 syncs in 702 steps, 66 in 2000; the paper: about 0.06); --ab-cycle-steps overrides it")
-    rebound_fraction: float = opt(0.0, "full-rank DP steps after each sync (F) as a share of K (the paper: 0.1; 0: the next decomposition follows the sync at once); --ab-rebound-steps overrides it")
-    lr_rebound_fraction: float = opt(0.0, "learning-rate ramp after each phase switch (R) as a share of K (the paper: 0.3; 0 disables); --ab-lr-rebound-steps overrides it")
+    warmup_fraction: float = opt(0.01, "share of the run's steps trained full rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
+    cycle_fraction: float = opt(0.015, "share of the run's steps between two syncs (the cycle); --ab-cycle-steps overrides it")
+    rebound_fraction: float = opt(0.0, "full-rank DP steps after each sync (F) as a share of the cycle, 0 for none; --ab-rebound-steps overrides it")
+    lr_rebound_fraction: float = opt(0.0, "learning-rate ramp after each phase switch (R) as a share of the cycle, 0 for none; --ab-lr-rebound-steps overrides it")
     warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
-    cycle_steps: int | None = opt(None, "steps per cycle K, instead of the fraction: a sync at every multiple of K after warm-up")
-    rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F < K), instead of the fraction; 0 re-decomposes right after the sync")
+    cycle_steps: int | None = opt(None, "steps per cycle, instead of the fraction: a sync at every multiple of it after the warm-up")
+    rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F, less than a cycle), instead of the fraction; 0 re-decomposes right after the sync")
     lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
-    tau: float | None = opt(None, "relative rank cut-off: keep singular values > tau * sigma_1 (the rule used, with 0.05, when no other rank rule is given; the paper: 0.15)")
+    tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")
     rank: int | None = opt(None, "fixed rank for every factorised layer")
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
     energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
-    min_rank: int = opt(8, "rank floor: no layer is cut below this rank; a matrix whose factors at this rank would not be smaller than W stays full rank")
-    rank_cap: str = opt("pays", "the most rank any decomposition keeps, the first included (later truncations cut further): pays: the largest whose factors hold fewer numbers than W, r(m+n) < m*n; state: the largest at which a worker's training state for the layer (its trained factor with gradient, moments and starting copy, the frozen factor, the sync's error memory) is no more than DDP's (W, gradient, moments); none: the rank rule alone decides, as the paper's code does (factors may then hold more than W)", choices=RANK_CAPS)
-    min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho); off by default, so ranks fall cycle after cycle")
+    min_rank: int = opt(8, "rank floor: no layer is cut below it, and a matrix whose factors at this rank would not be smaller than W stays full rank")
+    rank_cap: str = opt("pays", "bound on the rank of every decomposition: pays (factors smaller than W), state (training state within DDP's) or none (the rank rule alone)", choices=RANK_CAPS)
+    min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho)")
     truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
-    sync: str = opt("only-learned", "sync mode (the paper: with-stale)", choices=SYNC_MODES)
+    sync: str = opt("only-learned", "how a sync averages the groups into one model", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
     independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
-    split: str | None = opt(None, "tangent with --ab-sync only-learned (the default sync), sqrt with the other syncs, unless given. sqrt (the paper's): A = U sqrt(S), B = sqrt(S) V^T; sigma: A = U S, B = V^T on every worker (with only-b: A = U, B = S V^T, the trained factor); tangent: S in the factor each group trains (A = U S, B = V^T in A-groups; A = U, B = S V^T in B-groups), and with only-learned the sync adds each group's change to W instead of multiplying the factors (W = A V^T + U B - U S V^T)", choices=SPLITS)
-    sync_payload: str | None = opt(None, "what the only-learned sync sends for each low-rank layer (lowrank with --ab-split tangent --ab-sync only-learned, factors otherwise, unless given): its factors, or (smaller) whichever of the factors and W's change holds fewer numbers; the change, one m*n tensor, needs --ab-split tangent, whose merge adds the groups' changes to W, so with the other splits smaller sends the factors; lowrank (needs --ab-split tangent): the change as a rank --ab-sync-rank approximation, P (m x q) and Q (n x q), with error feedback: what one sync leaves out a later one sends", choices=SYNC_PAYLOADS)
-    tangent_core: str | None = opt(None, "with --ab-split tangent --ab-sync only-learned (mean there unless given; sum elsewhere): how the sync combines the part of the groups' changes that both can make, U X V^T (inside the top-r left and right singular vectors): sum (each group's change added whole) or mean (that part averaged, the rest added: one plain gradient step of each group then merges into one step along the tangent space)", choices=tuple(TANGENT_CORES))
-    sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank (a layer whose q*(m+n) is not below m*n sends the smaller of its change and its factors)")
-    sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed layer's change whole (m*n numbers), with what its error memory held, so that the final model holds every change the groups made")
-    svd: str = opt("full", "how the decomposition after a sync finds W's SVD: full (an SVD of the m x n weight) or update (with --ab-sync-payload lowrank: W is the SVD the phase started from plus the rank-q change the sync added, so the sync forms W from those parts and its SVD comes from an (r+q) x (r+q) one, checked against W, a full SVD where the check fails; moments are mapped through the frozen factor's transpose); the same factors up to rounding and the signs of singular vectors", choices=SVD_MODES)
-    sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase (biases, norms, layers kept full rank), so that the full-rank step after it is exact data parallelism; the paper's code averages the parameters only (--ab-no-sync-moments)")
-    optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep it (resized to the new rank; the paper), map it into the new factors' basis, or reset it", choices=STATE_POLICIES)
+    split: str | None = opt(None, "how W's singular values go into A and B: sqrt, sigma, or tangent (in the factor each group trains); default: tangent with only-learned, else sqrt", choices=SPLITS)
+    sync_payload: str | None = opt(None, "what an only-learned sync sends per low-rank layer: factors, smaller (of factors and W's change) or lowrank; default: lowrank with tangent, else factors", choices=SYNC_PAYLOADS)
+    tangent_core: str | None = opt(None, "how the tangent merge counts the part of the groups' changes both can make: sum or mean; default: mean with tangent and only-learned, else sum", choices=tuple(TANGENT_CORES))
+    sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank")
+    sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed change whole, with what its error memory holds")
+    svd: str = opt("full", "how the decomposition after a sync finds W's SVD: full, or update (from the parts a --ab-sync-payload lowrank sync leaves)", choices=SVD_MODES)
+    sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase")
+    optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
-    dense_comm: str = opt("powersgd", "how warm-up and rebound average full-rank gradients over all workers: fp32 (as in the paper), bf16, or powersgd (rank --ab-powersgd-rank, error feedback)", choices=DENSE_REDUCERS)
-    dense_start_steps: int = opt(0, "warm-up and rebound steps among the run's first N average their gradients uncompressed in fp32, later ones through --ab-dense-comm (PowerSGD's start iteration: the early, large gradients sent whole); AB steps are unaffected")
+    dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, or powersgd (--ab-powersgd-rank)", choices=DENSE_REDUCERS)
+    dense_start_steps: int = opt(0, "warm-up and rebound steps among the run's first N average their gradients whole, in fp32, before --ab-dense-comm takes over")
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
-    powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd (bf16: half the bytes; error feedback keeps the rounding)", choices=tuple(WIRE_DTYPES))
-    sync_dtype: str = opt("bf16", "dtype of the sync payload on the wire (factors, full-rank parameters, moments, buffers; the paper: fp32); every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
-    linear_apply: str = opt("weight", "how a low-rank nn.Linear applies its factors: weight (form W = A B at every step, as convolutions do), factors (the input times B^T, then A^T: no m x n product), or auto (whichever needs fewer multiply-adds for each call's batch); the same function up to rounding", choices=lowrank.APPLY_MODES)
+    powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd", choices=tuple(WIRE_DTYPES))
+    sync_dtype: str = opt("bf16", "dtype of the sync's payload on the wire; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
+    linear_apply: str = opt("weight", "how a low-rank nn.Linear applies its factors: weight (forms W = A B), factors (input times B^T, then A^T), or auto (fewer multiply-adds per call)", choices=lowrank.APPLY_MODES)
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
@@ -105,7 +111,7 @@ class ABConfig(Options):
                                  f"got {value!r}")
         if self.cycle_steps is not None and self.rebound_steps is not None and self.rebound_steps >= self.cycle_steps:
             raise ValueError(f"--ab-rebound-steps (F={self.rebound_steps}) must be smaller than --ab-cycle-steps "
-                             f"(K={self.cycle_steps}): each cycle is F rebound steps then K-F AB steps")
+                             f"({self.cycle_steps}): each cycle is F rebound steps, then AB steps")
         if self.min_rank < 1:
             raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
         if self.powersgd_rank < 1:
@@ -115,6 +121,7 @@ class ABConfig(Options):
             raise ValueError(f"choose one rank rule, got {', '.join('--ab-' + r.replace('_', '-') for r in rules)}")
         if not rules:
             self.tau = DEFAULT_TAU
+        _ = self.rule  # RankRule checks the values: a bad one fails here, before any training
         # None: follow the sync mode. The low-rank change and the averaged core need the tangent merge of only-learned.
         if self.split is None:
             self.split = "tangent" if self.sync == "only-learned" else "sqrt"
@@ -123,7 +130,6 @@ class ABConfig(Options):
             self.sync_payload = "lowrank" if tangent_merge else "factors"
         if self.tangent_core is None:
             self.tangent_core = "mean" if tangent_merge else "sum"
-        self.rank_rule()  # validates the values
         if self.min_compression is not None and self.min_compression <= 0:
             raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
         if self.split == "tangent" and self.sync == "with-stale":
@@ -152,7 +158,9 @@ class ABConfig(Options):
         """True when the schedule is given as fractions of the run, which must then be told its length."""
         return self.warmup_steps is None or self.cycle_steps is None
 
-    def rank_rule(self) -> lowrank.RankRule:
+    @functools.cached_property
+    def rule(self) -> lowrank.RankRule:
+        """The rank rule these options give, built once (when the options are checked)."""
         try:
             return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction, energy=self.energy)
         except ValueError as exc:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .comm import Communicator, Group
+from ...comm import Communicator, Group
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
