@@ -10,7 +10,7 @@ import torch
 from abtrain import checkpoint as ckpt
 from abtrain.config import TrainConfig
 from abtrain.methods.ab import ABConfig
-from abtrain.topology import Topology
+from abtrain.comm.topology import Topology
 from abtrain.train import Trainer
 from helpers import run_world
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from abtrain.config import TrainConfig
-from abtrain.topology import Topology
+from abtrain.comm.topology import Topology
 from abtrain.train import Trainer
 from helpers import run_world
 

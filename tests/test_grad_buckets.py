@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from abtrain.grad_buckets import OverlappedAverage
-from abtrain.recording import LocalWorld
+from abtrain.comm.recording import LocalWorld
 
 
 torch.manual_seed(0)

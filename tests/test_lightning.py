@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 import abtrain
 from abtrain.integrations.lightning import CHECKPOINT_KEY, AbtrainStrategy
-from abtrain.ledger import wire_bytes
+from abtrain.comm.ledger import wire_bytes
 from abtrain.results import ddp_equivalent
 
 from helpers import run_world

@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain.comm import Communicator, Ledger, wire_bytes
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.ledger import Ledger, wire_bytes
 from abtrain.config import TrainConfig
 from abtrain.methods import build_method
 from abtrain.methods.demo import ChunkedDCT, DeMoConfig, chunk_length, dct_matrix, extract, scatter_mean
 from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, e3m0_decode, e3m0_encode, fragments_of
-from abtrain.topology import Topology
+from abtrain.comm.topology import Topology
 from helpers import run_world
 
 

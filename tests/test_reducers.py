@@ -8,7 +8,7 @@ torch's hook computes the same) are in test_baselines.py and test_ddp.py.
 import pytest
 import torch
 
-from abtrain.recording import LocalWorld, RecordingCommunicator
+from abtrain.comm.recording import LocalWorld, RecordingCommunicator
 from abtrain.reducers import AllReduce, BF16AllReduce, PowerSGDReducer, build_reducer, orthogonalize
 
 SHAPES = {"fc.weight": (24, 32), "conv.weight": (16, 4, 3, 3), "fc.bias": (24,), "tiny.weight": (2, 3)}

@@ -20,7 +20,7 @@ from abtrain.cli import main
 from abtrain.config import TrainConfig
 from abtrain.results import NoSpaceError, atomic_write, is_no_space, write_json
 from abtrain.rundir import RunLock, is_locked, run_status
-from abtrain.topology import Topology
+from abtrain.comm.topology import Topology
 from abtrain.train import Trainer
 from abtrain.worker import classify
 from helpers import launcher_workers

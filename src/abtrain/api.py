@@ -6,10 +6,11 @@ import os
 import re
 from typing import Any
 
-from .comm import Communicator, Ledger
+from .comm.communicator import Communicator
+from .comm.ledger import Ledger
 from .methods import Method, build_method
 from .methods.ab import ABConfig, default_group_size
-from .topology import Topology, world_from_env
+from .comm.topology import Topology, world_from_env
 
 
 def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int | None = None,

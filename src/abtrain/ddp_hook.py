@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Group
+from .comm.group import Group
 from .reducers import Reducer
 
 

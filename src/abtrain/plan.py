@@ -15,7 +15,7 @@ from .config import TrainConfig
 from .data import DataError, Dataset, load_dataset, steps_per_epoch
 from .methods import registry
 from .models import build_model
-from .topology import resolve_backend
+from .comm.topology import resolve_backend
 
 
 def method_options(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Gradient reducers: how a list of gradients is averaged over a group of workers.
 
 One seam (``reduce(named_grads, group)``) with three implementations, each
-sending its traffic through the :class:`~abtrain.comm.Communicator` so the
+sending its traffic through the :class:`~abtrain.comm.communicator.Communicator` so the
 ledger counts exactly what travels:
 
 * :class:`AllReduce` -- one flat all-reduce, summed then divided by the group size.
@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .comm import Communicator, Group
+from .comm.communicator import Communicator
+from .comm.group import Group
 
 NamedGrads = Sequence[tuple[str, torch.Tensor]]
 

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from .comm import wire_bytes
+from .comm.ledger import wire_bytes
 from .safefile import open_file
 
 log = logging.getLogger(__name__)

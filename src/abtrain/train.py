@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
-from .comm import Communicator, Ledger
+from .comm.communicator import Communicator
+from .comm.ledger import Ledger
 from .config import TrainConfig
 from .data import batches, shard_indices
 from .methods import build_method
@@ -25,7 +26,7 @@ from .progress import Progress, eval_line
 from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, results_record, summary_table,
                       write_json, write_metrics_csv, write_status)
 from .safefile import open_file
-from .topology import Topology
+from .comm.topology import Topology
 
 log = logging.getLogger(__name__)
 

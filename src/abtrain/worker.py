@@ -18,13 +18,13 @@ import traceback
 from typing import Any
 
 from . import checkpoint as ckpt
-from .comm import CollectiveError
+from .comm.communicator import CollectiveError
 from .config import TrainConfig
 from .lowrank import SVDError
 from .results import NoSpaceError, RunDirGone, read_status, write_status
 from .lifeline import die_with_parent
 from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard
-from .topology import Topology
+from .comm.topology import Topology
 from .plan import Plan, group_layout
 from .train import Trainer
 

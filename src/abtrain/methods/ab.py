@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from .. import lowrank
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..grad_buckets import OverlappedAverage
 from ..memory import moments_per_element
 from ..reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
-from ..topology import Topology
+from ..comm.topology import Topology
 from .ab_config import TANGENT_CORES, ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
 from .ab_sync import average_models, full_rank_tensors

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from .. import lowrank
-from ..comm import Communicator, Group
+from ..comm.communicator import Communicator
+from ..comm.group import Group
 from ..reducers import PowerSGDReducer
 
 

@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..memory import training_state_parts
-from ..topology import Topology
+from ..comm.topology import Topology
 from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner
 
 log = logging.getLogger(__name__)

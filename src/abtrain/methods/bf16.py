@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..reducers import BF16AllReduce
-from ..topology import Topology
+from ..comm.topology import Topology
 from .ddp import DDPMethod
 from .registry import MethodSpec, register
 

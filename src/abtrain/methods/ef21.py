@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register

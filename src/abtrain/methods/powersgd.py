@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..reducers import WIRE_DTYPES, PowerSGDReducer, Reducer
-from ..topology import Topology
+from ..comm.topology import Topology
 from ..validate import Options, opt
 from .ddp import DDPMethod
 from .registry import MethodSpec, register

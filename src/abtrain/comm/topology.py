@@ -1,7 +1,7 @@
 """Rank, world, groups of workers and their process groups, in one object.
 
 Models and methods never build process groups themselves: they ask the
-:class:`Topology` for a named :class:`~abtrain.comm.Group`, whose ``scope``
+:class:`Topology` for a named :class:`~abtrain.comm.group.Group`, whose ``scope``
 tells the ledger whether its traffic stays inside one group of workers
 (``group``; one node in the intended deployment) or crosses groups
 (``global``).
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm import Group
+from .group import Group
 
 log = logging.getLogger(__name__)
 
