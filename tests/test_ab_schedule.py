@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig, merge, nest, read_config_file
 from abtrain.methods.ab import ABConfig, ABTraining, Schedule
 from abtrain.methods.ab_config import EARLIER_DEFAULTS, PAPER
-from abtrain.comm.topology import Topology
 
 
 def _phases(s: Schedule, total: int) -> list[tuple[str, int, int]]:

@@ -17,8 +17,8 @@ import abtrain
 from abtrain import lowrank
 from abtrain.api import as_keywords
 from abtrain.comm.communicator import Communicator
-from abtrain.methods import METHODS, ABConfig, ABTraining, Method, NoCommunication, build_method
 from abtrain.comm.topology import Topology
+from abtrain.methods import METHODS, ABConfig, ABTraining, Method, NoCommunication, build_method
 
 from helpers import run_world
 

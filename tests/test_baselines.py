@@ -13,12 +13,12 @@ import torch
 
 from abtrain.cli import build_parser, config_from_args
 from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig, read_config_file
 from abtrain.methods import build_method, registry
 from abtrain.methods.diloco import DiLoCoConfig
 from abtrain.methods.localsgd import LocalSGDConfig
 from abtrain.methods.powersgd import PowerSGDConfig
-from abtrain.comm.topology import Topology
 from helpers import run_world
 
 STEPS = 6

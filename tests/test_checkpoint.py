@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from abtrain import checkpoint as ckpt
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
 from abtrain.methods.ab import ABConfig
-from abtrain.comm.topology import Topology
 from abtrain.train import Trainer
 from helpers import run_world
 

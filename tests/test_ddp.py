@@ -6,8 +6,8 @@ import tempfile
 import pytest
 import torch
 
-from abtrain.config import TrainConfig
 from abtrain.comm.topology import Topology
+from abtrain.config import TrainConfig
 from abtrain.train import Trainer
 from helpers import run_world
 

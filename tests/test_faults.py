@@ -8,9 +8,9 @@ import torch
 
 from abtrain import checkpoint as ckpt
 from abtrain.comm.communicator import CollectiveError, Communicator
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
 from abtrain.methods import METHODS, ABConfig, StreamingDiLoCoConfig
-from abtrain.comm.topology import Topology
 from abtrain.train import Trainer
 from helpers import run_world
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain.grad_buckets import OverlappedAverage
 from abtrain.comm.recording import LocalWorld
+from abtrain.grad_buckets import OverlappedAverage
 
 
 torch.manual_seed(0)

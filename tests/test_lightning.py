@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 import abtrain
-from abtrain.integrations.lightning import CHECKPOINT_KEY, AbtrainStrategy
 from abtrain.comm.ledger import wire_bytes
+from abtrain.integrations.lightning import CHECKPOINT_KEY, AbtrainStrategy
 from abtrain.results import ddp_equivalent
 
 from helpers import run_world

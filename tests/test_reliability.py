@@ -17,10 +17,10 @@ import torch
 
 from abtrain import checkpoint as ckpt
 from abtrain.cli import main
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
 from abtrain.results import NoSpaceError, atomic_write, is_no_space, write_json
 from abtrain.rundir import RunLock, is_locked, run_status
-from abtrain.comm.topology import Topology
 from abtrain.train import Trainer
 from abtrain.worker import classify
 from helpers import launcher_workers

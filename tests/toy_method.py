@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
 from abtrain.methods.periodic import PeriodicMethod
 from abtrain.methods.registry import MethodSpec, register
-from abtrain.comm.topology import Topology
 from abtrain.validate import Options, opt
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from .comm.communicator import Communicator
 from .comm.ledger import Ledger
+from .comm.topology import Topology, world_from_env
 from .methods import Method, build_method
 from .methods.ab import ABConfig, default_group_size
-from .comm.topology import Topology, world_from_env
 
 
 def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int | None = None,

@@ -19,13 +19,13 @@ from typing import Any
 
 from . import checkpoint as ckpt
 from .comm.communicator import CollectiveError
-from .config import TrainConfig
-from .lowrank import SVDError
-from .results import NoSpaceError, RunDirGone, read_status, write_status
-from .lifeline import die_with_parent
-from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard
 from .comm.topology import Topology
+from .config import TrainConfig
+from .lifeline import die_with_parent
+from .lowrank import SVDError
 from .plan import Plan, group_layout
+from .results import NoSpaceError, RunDirGone, read_status, write_status
+from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard
 from .train import Trainer
 
 #: What a worker's error means: (kind in status.json, exit code, whether a restart may help).

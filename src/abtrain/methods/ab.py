@@ -29,10 +29,12 @@ from torch import nn
 
 from .. import lowrank
 from ..comm.communicator import Communicator
+from ..comm.topology import Topology
+from ..compress.dense import build_reducer
+from ..compress.powersgd import PowerSGDReducer
+from ..compress.wire import WIRE_DTYPES
 from ..grad_buckets import OverlappedAverage
 from ..memory import moments_per_element
-from ..reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
-from ..comm.topology import Topology
 from .ab_config import TANGENT_CORES, ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
 from .ab_sync import average_models, full_rank_tensors

@@ -7,7 +7,8 @@ from typing import Any
 
 
 from .. import lowrank
-from ..reducers import DENSE_REDUCERS, WIRE_DTYPES
+from ..compress.dense import DENSE_REDUCERS
+from ..compress.wire import WIRE_DTYPES
 from ..validate import Options, opt
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")

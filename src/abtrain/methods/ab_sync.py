@@ -8,7 +8,7 @@ from torch import nn
 from .. import lowrank
 from ..comm.communicator import Communicator
 from ..comm.group import Group
-from ..reducers import PowerSGDReducer
+from ..compress.powersgd import PowerSGDReducer
 
 
 def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:

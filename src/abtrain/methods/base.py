@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
 from ..comm.communicator import Communicator
-from ..memory import training_state_parts
 from ..comm.topology import Topology
+from ..memory import training_state_parts
 from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner
 
 log = logging.getLogger(__name__)
