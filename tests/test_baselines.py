@@ -63,7 +63,7 @@ def _torch_powersgd_method():
 
 
 def _run_all(runs, run_dir):
-    from abtrain.train import Trainer
+    from abtrain.run.train import Trainer
 
     topo = Topology.from_env(backend="gloo", device="cpu")
     out = {}

@@ -7,11 +7,11 @@ import pickle
 import pytest
 import torch
 
-from abtrain import checkpoint as ckpt
 from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
 from abtrain.methods.ab import ABConfig
-from abtrain.train import Trainer
+from abtrain.run import checkpoint as ckpt
+from abtrain.run.train import Trainer
 from helpers import run_world
 
 # AB schedule: warm-up steps 0-1, AB 2-6, rebound 7-8, AB 9-11, rebound 12-13, AB 14-15.

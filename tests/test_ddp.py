@@ -8,7 +8,7 @@ import torch
 
 from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
-from abtrain.train import Trainer
+from abtrain.run.train import Trainer
 from helpers import run_world
 
 

@@ -213,7 +213,7 @@ def _trainer_cfg(fashion_dir, method, options, extra, **kw):
 
 
 def _world(fashion_dir, root):
-    from abtrain.train import Trainer
+    from abtrain.run.train import Trainer
 
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {}

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._version import __version__
-from ..results import atomic_write, human_bytes, write_json
+from ..run.results import human_bytes
+from ..run.safefile import atomic_write, write_json
 from .linkbytes import link_check
 from .linkbytes import render as render_links
 from .plots import ordered_phases

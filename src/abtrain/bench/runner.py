@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..results import read_status
+from ..run.rundir import read_status
 from . import netns
 from .projection import NetworkModel
 from .workloads import DEFAULT_METHODS, get_workload

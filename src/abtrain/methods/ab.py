@@ -34,11 +34,11 @@ from ..compress.dense import build_reducer
 from ..compress.powersgd import PowerSGDReducer
 from ..compress.wire import WIRE_DTYPES
 from ..grad_buckets import OverlappedAverage
-from ..memory import moments_per_element
 from .ab_config import TANGENT_CORES, ABConfig, check_topology, default_group_size, group_layout
 from .ab_schedule import Schedule, check_run
 from .ab_sync import average_models, full_rank_tensors
 from .base import Method, optimizer_moments
+from .memory import moments_per_element
 from .registry import MethodSpec, register
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .results import NoSpaceError, RunDirGone, atomic_write, is_no_space, write_json
-from .safefile import make_dir, open_file, regular_size
+from .safefile import NoSpaceError, RunDirGone, atomic_write, is_no_space, make_dir, open_file, regular_size, write_json
 
 FORMAT = "abtrain-checkpoint"
 VERSION = 1

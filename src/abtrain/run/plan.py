@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm.topology import resolve_backend
-from .config import TrainConfig
-from .data import DataError, Dataset, load_dataset, steps_per_epoch
-from .methods import registry
-from .models import build_model
+from ..comm.topology import resolve_backend
+from ..config import TrainConfig
+from ..data import DataError, Dataset, load_dataset, steps_per_epoch
+from ..methods import registry
+from ..models import build_model
 
 
 def method_options(cfg: TrainConfig) -> dict[str, Any]:

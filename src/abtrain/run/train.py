@@ -13,20 +13,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..comm.communicator import Communicator
+from ..comm.ledger import Ledger
+from ..comm.topology import Topology
+from ..config import TrainConfig
+from ..data import batches, shard_indices
+from ..methods import build_method
+from ..methods.memory import moments_per_element
+from ..models import count_parameters
 from . import checkpoint as ckpt
-from .comm.communicator import Communicator
-from .comm.ledger import Ledger
-from .comm.topology import Topology
-from .config import TrainConfig
-from .data import batches, shard_indices
-from .memory import moments_per_element
-from .methods import build_method
-from .models import count_parameters
 from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
-from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, results_record, summary_table,
-                      write_json, write_metrics_csv, write_status)
-from .safefile import open_file
+from .results import TensorBoard, peak_rss_bytes, results_record, summary_table, write_metrics_csv
+from .rundir import write_status
+from .safefile import NoSpaceError, is_no_space, open_file, write_json
 
 log = logging.getLogger(__name__)
 
