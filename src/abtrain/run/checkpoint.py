@@ -268,6 +268,14 @@ def divergence_advice(run_dir: str, lr: float) -> str:
             f"rate, 'abtrain train --resume {run_dir} --lr {lr / 10:g}', or with --grad-clip")
 
 
+def check_finite(model: torch.nn.Module, run_dir: str, lr: float, when: str) -> None:
+    """Raise :class:`Diverged` naming the first parameter or buffer of ``model`` that holds inf or nan ``when``
+    (e.g. "at the end of training")."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise Diverged(f"{name} holds inf or nan {when}{divergence_advice(run_dir, lr)}")
+
+
 def save(run_dir: str, step: int, rank: int, state: dict[str, Any], barrier: Any,
          manifest: dict[str, Any] | None, world_size: int, good: bool, loss: float | None) -> None:
     """Write this worker's shard of step ``step``; collective (``barrier()`` waits for every worker's).

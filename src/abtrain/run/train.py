@@ -335,13 +335,6 @@ class Trainer:
             raise ValueError(f"checkpoint of step {state['step']} lacks or garbles its {exc} entry") from None
         self.last_checkpoint = self.step
 
-    def _non_finite(self) -> str | None:
-        """Name of the first parameter or buffer holding inf or nan, if any."""
-        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-                return name
-        return None
-
     def _read_saved_config(self) -> dict[str, Any] | None:
         try:
             with open_file(os.path.join(self.run_dir, "config.json")) as fh:
@@ -353,10 +346,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Write this worker's shard; rank 0 declares the checkpoint complete once every worker has written."""
         self.wall = time.perf_counter() - self._start
-        bad = self._non_finite()
-        if bad is not None:
-            raise ckpt.Diverged(f"{bad} holds inf or nan after step {self.step}; no checkpoint written"
-                                     f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
+        ckpt.check_finite(self.model, self.run_dir, self.cfg.lr, f"after step {self.step}; no checkpoint written")
         good, loss = self.guard.judge()
         manifest = None
         if self.is_main:
@@ -381,10 +371,7 @@ class Trainer:
                   "training_state_by_phase": self.method.peak_state}
         results = results_record(self.cfg, self.topo, self.history, self.step, self.steps_per_epoch, self.params,
                                  self.wall, int(rss[0].item()), comm, self.method.extra_results(), self.resumes, memory)
-        bad = self._non_finite()
-        if bad is not None:
-            raise ckpt.Diverged(f"{bad} holds inf or nan at the end of training"
-                                f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
+        ckpt.check_finite(self.model, self.run_dir, self.cfg.lr, "at the end of training")
         try:
             # Plain weights (W = A·B where low rank) that load into the model class; checkpoints keep the factors.
             ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.method.export())
