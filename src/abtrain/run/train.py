@@ -18,7 +18,6 @@ from ..comm.ledger import Ledger
 from ..comm.topology import Topology
 from ..config import TrainConfig
 from ..data import batches, shard_indices
-from ..methods import build_method
 from ..methods.memory import moments_per_element
 from ..models import count_parameters
 from . import checkpoint as ckpt
@@ -54,7 +53,7 @@ class Trainer:
         self.model = plan.model.to(topo.device)
         self.params = count_parameters(self.model)
         torch.manual_seed(cfg.seed * 1000 + 1 + topo.rank)  # per-worker stream (dropout)
-        self.method = build_method(cfg.method, self.comm, topo, **method_options(cfg))
+        self.method = cfg.method_spec.build(self.comm, topo, **method_options(cfg))
         self.forward_module = self.method.prepare(self.model)
         self.optimizer = build_optimizer(cfg, self.model)
         self.steps_per_epoch = plan.steps_per_epoch
