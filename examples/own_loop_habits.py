@@ -12,7 +12,6 @@ state_dict, saved after ``method.attach(opt)``, carries the method's state, so t
 optimizer's state_dicts are the whole checkpoint.
 """
 import argparse
-import json
 import math
 import os
 
