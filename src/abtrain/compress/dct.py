@@ -11,6 +11,7 @@ import math
 
 import torch
 
+
 def chunk_length(n: int, target: int) -> int:
     """The largest divisor of ``n`` not above ``target`` (``n`` itself when ``n <= target``)."""
     return max(d for d in range(1, min(n, target) + 1) if n % d == 0)
