@@ -39,7 +39,7 @@ reported (the run goes at its pace):
   schedule (AB-training's schedule scales with the run: abtrain.methods.ab.Schedule, the first
   decomposition, the syncs and the truncations it holds), from the medians above; the extra
   time per step against DDP's step and against no communication's, and as % of DDP's step;
-- training state: the most bytes any worker held after a step (abtrain.memory: parameters,
+- training state: the most bytes any worker held after a step (abtrain.methods.memory: parameters,
   gradients, optimizer state, the method's own tensors), over the run and in the phase that fills
   most of it (AB-training's AB phase: its warm-up holds DDP's state and the PowerSGD memories),
   against DDP's measured state (the dense model's parameters, gradients and AdamW's two moments);
@@ -325,7 +325,7 @@ def _time_calls(method: Any, attr: str, label: Callable[..., str], device: torch
 def measure(model_name: str, variant: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """Train the stand-in with one method for the planned steps; this worker's times and state."""
     import abtrain
-    from abtrain.memory import moments_per_element
+    from abtrain.methods.memory import moments_per_element
 
     device = torch.device(args.device)
     name, _ = VARIANTS[variant]
@@ -479,7 +479,7 @@ def summarise(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         amortised = sum(n * step_by_phase[p] for p, n in counts.items() if n) / args.run_steps + events_per_step
     main_phase = max(counts, key=counts.get)
     products = [r["lowrank_product_seconds"] for r in per_rank if r["lowrank_product_seconds"] is not None]
-    from abtrain.memory import dense_training_state_bytes
+    from abtrain.methods.memory import dense_training_state_bytes
     moments = first["moments_per_element"]
     row = {
         "model": first["model"], "method": VARIANTS[variant][0], "variant": variant, "options": first["options"],

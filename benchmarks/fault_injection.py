@@ -130,7 +130,7 @@ def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
     one_line = how == "SIGKILL" or (len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr)
     deadline = time.time() + 30
     while how == "SIGKILL" and os.path.exists(run_dir / ".lock") and time.time() < deadline:
-        from abtrain.rundir import is_locked
+        from abtrain.run.rundir import is_locked
         if not is_locked(str(run_dir)):
             break
         time.sleep(0.2)
@@ -310,7 +310,7 @@ def environment(values: dict[str, str]):
 
 def rerun_identical(method: str, run_dir: Path, ref: dict) -> tuple[int, bool]:
     """After an early kill or signal: resume where a checkpoint was kept, else start the run again."""
-    from abtrain.checkpoint import read_manifest
+    from abtrain.run.checkpoint import read_manifest
     if read_manifest(str(run_dir)) is not None:
         argv = ABTRAIN + ["train", "--resume", str(run_dir)]
     else:
@@ -507,7 +507,7 @@ def full_disk(tmp: Path) -> dict | None:
         p = subprocess.run(ABTRAIN + ["train", *JOB, "--steps", "40", "--checkpoint-every", "5", "--out", str(out)],
                            capture_output=True, text=True, env=env(), timeout=300)
         manifest = json.loads((out / "checkpoint" / "latest.json").read_text())
-        intact = subprocess.run([sys.executable, "-c", "import sys, torch; from abtrain import checkpoint as c; "
+        intact = subprocess.run([sys.executable, "-c", "import sys, torch; from abtrain.run import checkpoint as c; "
                                  "m = c.read_manifest(sys.argv[1]); [c.load_shard(c.shard_path(sys.argv[1], m, r)) "
                                  "for r in range(2)]", str(out)], capture_output=True, env=env()).returncode == 0
         handled = (one_clear_line(p.returncode, p.stderr, EXIT_NO_SPACE) and "no space left on device" in p.stderr

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from abtrain.comm import Group, Ledger
+from abtrain.comm.group import Group
+from abtrain.comm.ledger import Ledger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 p = argparse.ArgumentParser()

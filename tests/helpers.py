@@ -55,7 +55,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: st
 
 #: Imported once by the fork server that starts the workers, so each worker begins with them loaded
 #: (a fresh interpreter importing torch costs more than most of these worlds spend training).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "abtrain.train", "abtrain.methods", "helpers"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "abtrain.run.train", "abtrain.methods", "helpers"]
 
 
 def run_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:

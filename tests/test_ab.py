@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from abtrain.comm import Communicator
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
+from abtrain.compress.powersgd import PowerSGDReducer
 from abtrain.config import merge
 from abtrain.methods.ab import PAPER, ABConfig, ABTraining
-from abtrain.reducers import PowerSGDReducer
-from abtrain.topology import Topology
 from helpers import run_world
 
 T_W, K, F = 3, 6, 2  # syncs at the multiples of K: after steps 6, 12, 18; rebounds 6-7, 12-13; truncation at 8 and 14

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain.comm import Communicator
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig, merge, nest, read_config_file
 from abtrain.methods.ab import EARLIER_DEFAULTS, PAPER, ABConfig, ABTraining, Schedule
-from abtrain.topology import Topology
 
 
 def _phases(s: Schedule, total: int) -> list[tuple[str, int, int]]:

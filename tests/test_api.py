@@ -16,9 +16,9 @@ from torch import nn
 import abtrain
 from abtrain import lowrank
 from abtrain.api import as_keywords
-from abtrain.comm import Communicator
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
 from abtrain.methods import METHODS, ABConfig, ABTraining, Method, NoCommunication, build_method
-from abtrain.topology import Topology
 
 from helpers import run_world
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from abtrain.cli import build_parser, config_from_args
-from abtrain.comm import Communicator
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig, read_config_file
 from abtrain.methods import build_method, registry
 from abtrain.methods.diloco import DiLoCoConfig
 from abtrain.methods.localsgd import LocalSGDConfig
 from abtrain.methods.powersgd import PowerSGDConfig
-from abtrain.topology import Topology
 from helpers import run_world
 
 STEPS = 6
@@ -63,7 +63,7 @@ def _torch_powersgd_method():
 
 
 def _run_all(runs, run_dir):
-    from abtrain.train import Trainer
+    from abtrain.run.train import Trainer
 
     topo = Topology.from_env(backend="gloo", device="cpu")
     out = {}

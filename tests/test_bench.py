@@ -270,7 +270,7 @@ def test_net_spec_parsing():
 # -- the node layout: bytes on the links between nodes ------------------------------
 
 def _row(op, scope, payload, p, calls=1, dtype="float32"):
-    from abtrain.comm import wire_bytes
+    from abtrain.comm.ledger import wire_bytes
     return {"op": op, "scope": scope, "phase": "train", "calls": calls, "payload_bytes": payload,
             "wire_bytes": wire_bytes(op, payload, p), "group_size": p, "dtype": dtype}
 

@@ -1,5 +1,6 @@
 """Checkpoints: a stopped and resumed run equals the uninterrupted one; what is saved, what is refused."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -7,11 +8,11 @@ import pickle
 import pytest
 import torch
 
-from abtrain import checkpoint as ckpt
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
 from abtrain.methods.ab import ABConfig
-from abtrain.topology import Topology
-from abtrain.train import Trainer
+from abtrain.run import checkpoint as ckpt
+from abtrain.run.train import Trainer
 from helpers import run_world
 
 # AB schedule: warm-up steps 0-1, AB 2-6, rebound 7-8, AB 9-11, rebound 12-13, AB 14-15.
@@ -128,7 +129,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     with pytest.raises(FloatingPointError, match=r"stem.weight holds inf or nan.*last good checkpoint, of step 6"):
         trainer.save_checkpoint()
     assert ckpt.read_manifest(run_dir)["step"] == 6
-    resumed = Trainer(cfg.__class__(**{**cfg.__dict__, "stop_after": None}), Topology(), run_dir, resume=True)
+    resumed = Trainer(dataclasses.replace(cfg, stop_after=None), Topology(), run_dir, resume=True)
     assert resumed.step == 6 and bool(torch.isfinite(resumed.model.stem.weight).all())
 
 
@@ -153,16 +154,16 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     manifest["sha256"]["rank0.pt"] = ckpt.sha256_file(shard)  # a forger who rewrites the manifest too
     open(manifest_path, "w").write(json.dumps(manifest))
     with pytest.raises(ValueError, match="safe load refuses"):
-        Trainer(TrainConfig(**{**cfg.__dict__, "stop_after": None}), Topology(), run_dir, resume=True)
+        Trainer(dataclasses.replace(cfg, stop_after=None), Topology(), run_dir, resume=True)
     assert not marker.exists()
 
 
 def test_truncated_and_foreign_checkpoints_are_refused(tmp_path):
     cfg, run_dir = _single(tmp_path, stop_after=4)
     Trainer(cfg, Topology(), run_dir).run()
-    plain = TrainConfig(**{**cfg.__dict__, "stop_after": None})
+    plain = dataclasses.replace(cfg, stop_after=None)
     with pytest.raises(ValueError, match="written for method 'ddp', this run has 'localsgd'"):
-        Trainer(TrainConfig(**{**plain.__dict__, "method": "localsgd"}), Topology(), run_dir, resume=True)
+        Trainer(dataclasses.replace(plain, method="localsgd"), Topology(), run_dir, resume=True)
     shard = os.path.join(ckpt.step_dir(run_dir, 4), "rank0.pt")
     data = open(shard, "rb").read()
     open(shard, "wb").write(data[: len(data) // 2])

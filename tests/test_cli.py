@@ -262,7 +262,7 @@ def test_ab_run_dir_is_plain_versioned_and_repeatable(tmp_path, fashion_dir):
 def test_python_m_abtrain_and_default_run_dir():
     from abtrain import __version__
     from abtrain.config import TrainConfig
-    from abtrain.rundir import default_run_dir
+    from abtrain.run.rundir import default_run_dir
 
     p = subprocess.run([sys.executable, "-m", "abtrain", "--version"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == f"abtrain {__version__}"

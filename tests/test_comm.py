@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from abtrain.comm import Communicator, Group, Ledger, wire_bytes
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.group import Group
+from abtrain.comm.ledger import Ledger, wire_bytes
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from abtrain.memory import dense_training_state_bytes
 from abtrain.methods.ab import ABConfig, Schedule
+from abtrain.methods.memory import dense_training_state_bytes
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "cost.py")
 

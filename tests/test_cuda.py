@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import abtrain
-from abtrain.comm import Group, Ledger
+from abtrain.comm.group import Group
+from abtrain.comm.ledger import Ledger
 
 from helpers import run_world
 

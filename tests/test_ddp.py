@@ -6,9 +6,9 @@ import tempfile
 import pytest
 import torch
 
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
-from abtrain.topology import Topology
-from abtrain.train import Trainer
+from abtrain.run.train import Trainer
 from helpers import run_world
 
 

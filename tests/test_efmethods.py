@@ -14,13 +14,16 @@ import torch
 from torch import nn
 
 from abtrain.cli import build_parser, config_from_args
-from abtrain.comm import Communicator, Ledger, wire_bytes
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.ledger import Ledger, wire_bytes
+from abtrain.comm.topology import Topology
+from abtrain.compress.sign import pack_signs, segment_ids, sign_compress, sign_decompress, unpack_signs
+from abtrain.compress.topk import topk_compress, topk_count
 from abtrain.config import TrainConfig
 from abtrain.methods import build_method
-from abtrain.methods.ef21 import EF21Config, topk_compress, topk_count
+from abtrain.methods.ef21 import EF21Config
 from abtrain.methods.hlocalsgd import HLocalSGDConfig
-from abtrain.methods.onebit import OneBitConfig, pack_signs, segment_ids, sign_compress, sign_decompress, unpack_signs
-from abtrain.topology import Topology
+from abtrain.methods.onebit import OneBitConfig
 from helpers import run_world
 
 
@@ -207,7 +210,7 @@ def _trainer_cfg(fashion_dir, method, options, **kw):
 
 
 def _world(fashion_dir, root):
-    from abtrain.train import Trainer
+    from abtrain.run.train import Trainer
 
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {}

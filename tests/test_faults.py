@@ -6,12 +6,12 @@ import time
 import pytest
 import torch
 
-from abtrain import checkpoint as ckpt
-from abtrain.comm import CollectiveError, Communicator
+from abtrain.comm.communicator import CollectiveError, Communicator
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
 from abtrain.methods import METHODS, ABConfig, StreamingDiLoCoConfig
-from abtrain.topology import Topology
-from abtrain.train import Trainer
+from abtrain.run import checkpoint as ckpt
+from abtrain.run.train import Trainer
 from helpers import run_world
 
 TIMEOUT_S = 5

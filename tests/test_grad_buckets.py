@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from abtrain.comm.recording import LocalWorld
 from abtrain.methods.ab.buckets import OverlappedAverage
-from abtrain.recording import LocalWorld
 
 
 torch.manual_seed(0)

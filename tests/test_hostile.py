@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from abtrain import checkpoint as ckpt
 from abtrain.cli import main
-from abtrain.launch import external_world
-from abtrain.lifeline import die_with_parent
 from abtrain.lowrank import prepare_model, svd
 from abtrain.lowrank.decompose import NonFiniteWeight
-from abtrain.rundir import RunLock
-from abtrain.worker import classify
+from abtrain.run import checkpoint as ckpt
+from abtrain.run.launch import external_world
+from abtrain.run.lifeline import die_with_parent
+from abtrain.run.rundir import RunLock
+from abtrain.run.worker import classify
 from helpers import free_port, make_fake_fashion, write_idx
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -191,7 +191,7 @@ def test_a_run_directory_removed_under_a_live_run_is_one_line(tmp_path):
 # -- 2: workers never outlive their launcher ----------------------------------------------
 def test_a_process_whose_parent_died_before_the_tie_ends_itself():
     # The parent it expects is not its parent: as if that one had died before the death signal was armed.
-    code = ("import os; from abtrain.lifeline import die_with_parent; die_with_parent((os.getppid() + 1,)); "
+    code = ("import os; from abtrain.run.lifeline import die_with_parent; die_with_parent((os.getppid() + 1,)); "
             "print('survived')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == -signal.SIGKILL and "survived" not in p.stdout
@@ -232,7 +232,7 @@ def test_a_weight_that_cannot_be_decomposed_is_a_divergence_with_the_same_advice
     with pytest.raises(NonFiniteWeight, match="cannot decompose .*holds inf or nan") as err:
         svd(fp)
     assert classify(err.value) == ("diverged", 1, False)
-    from abtrain.worker import as_divergence
+    from abtrain.run.worker import as_divergence
     diverged = as_divergence(err.value, str(stopped), lr=0.05)
     assert classify(diverged) == ("diverged", 1, False)
     assert str(diverged).startswith("cannot decompose ")
@@ -258,7 +258,7 @@ def test_images_of_the_wrong_size_are_refused_in_the_preflight(tmp_path, capsys,
 def test_the_model_is_tried_on_the_samples_of_both_splits():
     from abtrain.data import Dataset, DataError, Split
     from abtrain.models import build_model
-    from abtrain.plan import check_samples
+    from abtrain.run.plan import check_samples
     good = Split(torch.zeros(4, 32), torch.zeros(4, dtype=torch.long))
     ds = Dataset("synthetic", "classify", good, Split(torch.zeros(4, 31), torch.zeros(4, dtype=torch.long)), (32,), 4)
     with pytest.raises(DataError, match=r"the test samples of synthetic have shape \(31,\), the dataset's are \(32,\)"):

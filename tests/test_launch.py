@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from abtrain.launch import external_world
+from abtrain.run.launch import external_world
 from helpers import free_port
 
 
@@ -58,7 +58,7 @@ def test_srun_style_world_trains(tmp_path):
 
 FORK_SERVER_CHOICES = """
 import multiprocessing, os, sys
-from abtrain import fork_server
+from abtrain.run import fork_server
 
 method, socket_dir = fork_server.start_method()  # under a TMPDIR too long for a socket path
 assert method == "forkserver" and socket_dir.startswith("/tmp/pymp-"), (method, socket_dir)

@@ -31,9 +31,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 import abtrain
+from abtrain.comm.ledger import wire_bytes
 from abtrain.integrations.lightning import CHECKPOINT_KEY, AbtrainStrategy
-from abtrain.ledger import wire_bytes
-from abtrain.results import ddp_equivalent
+from abtrain.run.results import ddp_equivalent
 
 from helpers import run_world
 

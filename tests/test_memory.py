@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain.memory import (dense_training_state_bytes, moments_per_element, storage_bytes, training_state_bytes,
-                            training_state_parts)
+from abtrain.methods.memory import (dense_training_state_bytes, moments_per_element, storage_bytes,
+    training_state_bytes, training_state_parts)
 
 
 def _step(model, opt):

@@ -11,12 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain.comm import Communicator, Ledger, wire_bytes
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.ledger import Ledger, wire_bytes
+from abtrain.comm.topology import Topology
+from abtrain.compress.dct import ChunkedDCT, chunk_length, dct_matrix, extract, scatter_mean
+from abtrain.compress.e3m0 import e3m0_decode, e3m0_encode
 from abtrain.config import TrainConfig
 from abtrain.methods import build_method
-from abtrain.methods.demo import ChunkedDCT, DeMoConfig, chunk_length, dct_matrix, extract, scatter_mean
-from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, e3m0_decode, e3m0_encode, fragments_of
-from abtrain.topology import Topology
+from abtrain.methods.demo import DeMoConfig
+from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, fragments_of
 from helpers import run_world
 
 
@@ -210,7 +213,7 @@ def _trainer_cfg(fashion_dir, method, options, extra, **kw):
 
 
 def _world(fashion_dir, root):
-    from abtrain.train import Trainer
+    from abtrain.run.train import Trainer
 
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {}

@@ -8,8 +8,10 @@ torch's hook computes the same) are in test_baselines.py and test_ddp.py.
 import pytest
 import torch
 
-from abtrain.recording import LocalWorld, RecordingCommunicator
-from abtrain.reducers import AllReduce, BF16AllReduce, PowerSGDReducer, build_reducer, orthogonalize
+from abtrain.comm.recording import LocalWorld, RecordingCommunicator
+from abtrain.compress.dense import build_reducer
+from abtrain.compress.powersgd import PowerSGDReducer, orthogonalize
+from abtrain.compress.reducer import AllReduce, BF16AllReduce
 
 SHAPES = {"fc.weight": (24, 32), "conv.weight": (16, 4, 3, 3), "fc.bias": (24,), "tiny.weight": (2, 3)}
 

@@ -57,7 +57,7 @@ def test_a_spec_refuses_options_of_another_name():
 PROBE = """
 import contextlib, io, sys
 from abtrain.cli import build_parser, config_from_args
-from abtrain.plan import preflight
+from abtrain.run.plan import preflight
 
 def parse(*args):
     try:

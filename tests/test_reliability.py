@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-from abtrain import checkpoint as ckpt
 from abtrain.cli import main
+from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
-from abtrain.results import NoSpaceError, atomic_write, is_no_space, write_json
-from abtrain.rundir import RunLock, is_locked, run_status
-from abtrain.topology import Topology
-from abtrain.train import Trainer
-from abtrain.worker import classify
+from abtrain.run import checkpoint as ckpt
+from abtrain.run.rundir import RunLock, is_locked, read_status
+from abtrain.run.safefile import NoSpaceError, atomic_write, is_no_space, write_json
+from abtrain.run.train import Trainer
+from abtrain.run.worker import classify
 from helpers import launcher_workers
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -163,11 +163,11 @@ def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys, monkeypat
         if proc.poll() is None:
             proc.kill()
     assert json.loads((out / "status.json").read_text())["status"] == "running"
-    assert not is_locked(str(out)) and run_status(str(out))["status"] == "interrupted"
+    assert not is_locked(str(out)) and read_status(str(out))["status"] == "interrupted"
     # SIGKILL ran no cleanup: the next launcher removes the dead one's temporary directory, and its fork
     # server's socket directory.
-    from abtrain.fork_server import SOCKET_DIR_RECORD
-    from abtrain.launch import _remove_orphaned_tmp
+    from abtrain.run.fork_server import SOCKET_DIR_RECORD
+    from abtrain.run.launch import _remove_orphaned_tmp
     private = [n for n in os.listdir(tmpdir) if n.startswith(f"abtrain-{proc.pid}-")]
     assert len(private) == 1
     socket_dir = (tmpdir / private[0] / SOCKET_DIR_RECORD).read_text()  # under tmpdir, or /tmp if that is too long
@@ -410,7 +410,7 @@ def test_an_idx_file_with_the_wrong_number_of_dimensions_says_so(tmp_path):
 
 
 def test_many_more_workers_than_cores_warns_about_memory(capsys):
-    from abtrain.launch import _warn_about_memory
+    from abtrain.run.launch import _warn_about_memory
     _warn_about_memory(64 * (os.cpu_count() or 1))
     assert "expect high memory use" in _one_line(capsys.readouterr().err)
     _warn_about_memory(1)

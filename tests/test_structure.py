@@ -15,23 +15,14 @@ def _module_name(path: str) -> str:
     return "abtrain" + ("" if rel == "__init__" else "." + rel.removesuffix(".__init__"))
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(path: str, module: str) -> set[str]:
-    """The abtrain modules ``module`` imports at run time, at the top or inside functions
-    (``if TYPE_CHECKING:`` blocks are annotations, not imports)."""
+    """The abtrain modules ``module`` imports: at the top, inside functions, and under ``if TYPE_CHECKING:``
+    (an annotation that names a module above is a circle in the design even when Python never runs it)."""
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("abtrain"))
         elif isinstance(node, ast.ImportFrom):
@@ -42,11 +33,6 @@ def _imports(path: str, module: str) -> set[str]:
             if target.startswith("abtrain"):
                 out.add(target)
                 out.update(f"{target}.{a.name}" for a in node.names)  # ``from . import checkpoint``
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    with open(path) as fh:
-        visit(ast.parse(fh.read()))
     return out
 
 
@@ -94,6 +80,12 @@ def test_the_cycle_finder_finds_a_cycle():
              "abtrain.bench.c": {"abtrain.bench.a"}, "abtrain.x": set()}
     assert find_cycle(graph) == ["abtrain.bench.a", "abtrain.bench.b", "abtrain.bench.c", "abtrain.bench.a"]
     assert find_cycle({"abtrain.x": {"abtrain.y"}, "abtrain.y": set()}) is None
+
+
+def test_imports_under_type_checking_are_edges(tmp_path):
+    path = tmp_path / "a.py"
+    path.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .b import B\n")
+    assert "abtrain.bench.b" in _imports(str(path), "abtrain.bench.a")
 
 
 def test_bench_has_no_import_circle():

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from abtrain.comm import Communicator
+from abtrain.comm.communicator import Communicator
+from abtrain.comm.topology import Topology
 from abtrain.methods.periodic import PeriodicMethod
 from abtrain.methods.registry import MethodSpec, register
-from abtrain.topology import Topology
 from abtrain.validate import Options, opt
 
 

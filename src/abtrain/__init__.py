@@ -9,8 +9,9 @@ from ._version import __version__
 
 # The public names load their modules (and torch) on first use: the ``abtrain`` command installs its signal
 # handlers before torch is imported, and the fork server ties itself to the launcher's life before it imports torch.
-_EXPORTS = {"setup": "api", "Communicator": "comm", "Ledger": "comm", "METHODS": "methods", "ABConfig": "methods",
-            "ABTraining": "methods", "Method": "methods", "build_method": "methods", "Topology": "topology"}
+_EXPORTS = {"setup": "api", "Communicator": "comm.communicator", "Ledger": "comm.ledger", "METHODS": "methods",
+            "ABConfig": "methods", "ABTraining": "methods", "Method": "methods", "build_method": "methods",
+            "Topology": "comm.topology"}
 
 __all__ = ["ABConfig", "ABTraining", "Communicator", "Ledger", "METHODS", "Method", "Topology", "build_method",
            "setup", "__version__"]

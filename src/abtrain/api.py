@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
-from .comm import Communicator, Ledger
-from .methods import Method, build_method
-from .methods.ab import ABConfig, default_group_size
-from .topology import Topology, world_from_env
+from .comm.communicator import Communicator
+from .comm.ledger import Ledger
+from .comm.topology import Topology, group_layout, world_from_env
+from .methods import Method, registry
 
 
 def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int | None = None,
@@ -32,20 +33,17 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
     The returned method has ``.topo`` (rank, world, device), ``.comm.ledger`` (every byte
     sent), ``attach``/``detach``, ``consensus``, ``export`` and ``close``.
     """
-    if method == "ab":  # AB-training may print while it is built (a schedule in absolute steps)
-        options = {**options, "quiet": quiet or bool(options.get("quiet", False))}
     try:
-        chosen = group_size
-        note = None
-        if method == "ab" and group_size is None:
-            cfg = ABConfig(**options)
-            world, local_world = world_from_env()
-            chosen = default_group_size(world, local_world, cfg)
-            if chosen != local_world and world % max(1, local_world) == 0:
-                note = (f"AB-training: one node of {world} workers: {world // chosen} groups of {chosen} "
-                        f"(set group_size= to choose)")
+        spec = registry.get(method)
+        if spec.has_option("quiet"):  # a method that may print while it is built (AB-training: its schedule)
+            options = {**options, "quiet": quiet or bool(options.get("quiet", False))}
+        preferred = None
+        if spec.group_layout is not None and group_size is None:
+            config = spec.options(**options) if spec.options is not None else None
+            preferred = functools.partial(spec.group_layout, config)
+        chosen, note = group_layout(*world_from_env(), group_size, preferred, choose="set group_size=")
         topo = Topology.from_env(backend=backend, device=device, group_size=chosen, timeout_s=timeout_s)
-        built = build_method(method, Communicator(Ledger(), topo.device), topo, **options)
+        built = spec.build(Communicator(Ledger(), topo.device), topo, **options)
         built.verbose = built.verbose and not quiet
         if note is not None:
             built.say(note)

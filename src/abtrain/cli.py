@@ -1,7 +1,7 @@
 """``abtrain`` command line: parse, validate, launch. Flags are built from TrainConfig.
 
 Only the standard library is imported at the top: :func:`main` installs the signal handlers
-(:mod:`abtrain.interrupt`) before torch is imported, so Ctrl-C or SIGTERM at any moment ends the command with one
+(:mod:`abtrain.run.interrupt`) before torch is imported, so Ctrl-C or SIGTERM at any moment ends the command with one
 line.
 """
 
@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import __version__, interrupt
+from . import __version__
+from .run import interrupt
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -173,8 +174,8 @@ RESUME_SETTINGS = ("lr", "grad_clip")
 def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
     """The configuration saved in ``ns.resume``'s run directory, plus the few options a resume may change."""
     from .config import TrainConfig
-    from .rundir import check_layout
-    from .safefile import open_file
+    from .run.rundir import check_layout
+    from .run.safefile import open_file
     run_dir = ns.resume
     path = os.path.join(run_dir, "config.json")
     if not os.path.isdir(run_dir):
@@ -198,7 +199,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"{path} is unreadable: {exc}") from None
     if not isinstance(saved, dict):
         raise ValueError(f"{path} does not hold a configuration")
-    from .checkpoint import check_config, read_manifest
+    from .run.checkpoint import check_config, read_manifest
     manifest = read_manifest(run_dir)
     if manifest is not None:
         check_config(manifest, saved, path)
@@ -229,12 +230,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    from .rundir import RunFailed
+    from .run.rundir import RunFailed
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "train":
-            from .launch import train
+            from .run.launch import train
             if getattr(ns, "resume", None):
                 return train(config_for_resume(ns), resume_dir=ns.resume)
             cfg = config_from_args(ns)

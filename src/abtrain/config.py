@@ -77,7 +77,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        registry.get(self.method)  # an unknown method: ValueError with the choices
+        self._method_spec = registry.get(self.method)  # an unknown method: ValueError with the choices
         for name, section in SECTIONS.items():
             if not isinstance(getattr(self, name), section):
                 raise ValueError(f"the {name} options must be a {section.__name__} (a [{name}] table in a config "
@@ -122,9 +122,17 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def method_spec(self) -> registry.MethodSpec:
+        """The registry's entry of ``self.method``: looked up once, when the configuration is made, and asked by
+        everything that follows (the options, the group layout, the checks, the build)."""
+        if self._method_spec.name != self.method:  # the field was set again after __post_init__
+            self._method_spec = registry.get(self.method)
+        return self._method_spec
+
     def options(self) -> Any:
         """The options section of ``self.method`` (None for a method without options)."""
-        section = registry.get(self.method).section
+        section = self.method_spec.section
         return getattr(self, section, None) if section in SECTIONS else None
 
     @classmethod

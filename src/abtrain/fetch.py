@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
-from .results import NoSpaceError, atomic_write
+from .run.safefile import NoSpaceError, atomic_write
 
 __all__ = ["FASHION_MNIST", "FASHION_URLS", "FetchError", "fetch_fashion_mnist", "file_ok", "user_data_dir"]
 

@@ -1,7 +1,8 @@
 """``abtrain bench``: several methods on one workload, side by side, optionally through a real shaped network."""
 
+from .config import BenchConfig, parse_method_args
 from .projection import NetworkModel
-from .runner import BenchConfig, parse_method_args, run_bench
+from .runner import run_bench
 from .workloads import DEFAULT_METHODS, WORKLOADS, Workload, get_workload
 
 __all__ = ["BenchConfig", "DEFAULT_METHODS", "NetworkModel", "WORKLOADS", "Workload", "get_workload",

@@ -35,7 +35,7 @@ per call at p = 4 below 8 MiB: 1,728 bytes per node per call, measured 1,736; th
 each worker's contribution in two halves, 2(p−1) messages per ring edge (864 bytes at p = 4,
 measured 868); the broadcast and the all-to-all one message per pair of workers on different nodes
 (measured 200 and 580 bytes against 192 and 576). The reduce-scatter (no method uses it, and the
-:class:`~abtrain.comm.Communicator` issues none) is not modelled: gloo runs it as an all-reduce of
+:class:`~abtrain.comm.communicator.Communicator` issues none) is not modelled: gloo runs it as an all-reduce of
 its whole input (``reduce_scatter_tensor``) or of each chunk of its input list (``reduce_scatter``),
 so it sends twice the ring's (p−1)/p · b the ledger counts (measured: 1.5 b per node at p = 4,
 g = 2), and where one crosses a node link the framing is left unknown (``None``), not counted as
@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ..results import human_bytes
+from ..run.results import human_bytes
 from .projection import row_group_size
 
 TOLERANCE = 0.10  # measured / expected within ±10 %

@@ -5,7 +5,7 @@ payload ``n`` (the bytes one worker hands to it) costs
 
     T = s(p) · α + w(n, p) / β
 
-with ``w`` the wire bytes per worker of :func:`abtrain.comm.wire_bytes` and
+with ``w`` the wire bytes per worker of :func:`abtrain.comm.ledger.wire_bytes` and
 ``s`` the number of sequential ring steps (all-reduce: 2(p−1), so the ring
 all-reduce costs 2(p−1) α + 2(p−1)/p · n / β; reduce-scatter, all-gather and
 broadcast: p−1). ``group``-scope collectives run inside one node (α, β of the
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..comm import wire_bytes
+from ..comm.ledger import wire_bytes
 
 DEFAULT_WORKERS = (8, 16, 32, 64, 128, 256)
 

@@ -8,20 +8,40 @@ import os
 import shlex
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._version import __version__
-from ..results import atomic_write, human_bytes, write_json
+from ..run.results import human_bytes
+from ..run.safefile import atomic_write, write_json
+from .config import BenchConfig
 from .linkbytes import link_check
 from .linkbytes import render as render_links
 from .plots import ordered_phases
 from .projection import project, project_scaled, render_scaled
 from .workloads import Workload
 
-if TYPE_CHECKING:
-    from .runner import BenchConfig, Outcome
+
+@dataclass
+class Outcome:
+    """What one method's run left behind."""
+
+    method: str
+    command: list[str]
+    run_dir: str
+    status: str = "not run"  # complete / failed / interrupted / not run
+    error: str | None = None
+    returncode: int | None = None
+    seconds: float = 0.0
+    results: dict[str, Any] | None = None
+    measured: dict[str, Any] | None = None  # --net: interface counters of each node during the run
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "status": self.status, "error": self.error, "returncode": self.returncode,
+                "run_dir": self.run_dir, "command": " ".join(shlex.quote(c) for c in self.command),
+                "seconds": self.seconds, "measured": self.measured}
 
 
 def metric_of(results: dict[str, Any], metric: str) -> float | None:
@@ -79,7 +99,7 @@ def _by_scope_phase(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def build_report(workload: Workload, cfg: "BenchConfig", outcomes: list["Outcome"], out: str,
+def build_report(workload: Workload, cfg: BenchConfig, outcomes: list[Outcome], out: str,
                  interrupted: bool = False) -> dict[str, Any]:
     """Everything report.json holds; report.md and the plots are drawn from it."""
     metric = workload.metric

@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..results import read_status
+from ..run.rundir import read_status
 from . import netns
-from .projection import NetworkModel
-from .workloads import DEFAULT_METHODS, get_workload
+from .config import BenchConfig
+from .report import Outcome, build_report, write_report
+from .workloads import get_workload
 
 log = logging.getLogger(__name__)
 
@@ -28,78 +28,6 @@ _WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_NPROCS", "GLOO_SOCKET_IFNAME")
 _PEER_GRACE_S = 10.0  # after one worker fails, how long the others may take to notice before they are stopped
 _BASE_PORT = 29500
-
-
-@dataclass
-class BenchConfig:
-    """Everything ``abtrain bench`` needs."""
-
-    workload: str = "fashion-cnn"
-    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
-    quick: bool = False
-    out: str | None = None
-    extra: str = ""
-    method_args: dict[str, str] = field(default_factory=dict)
-    net: str | None = None
-    network_model: NetworkModel = field(default_factory=NetworkModel)
-
-    def __post_init__(self) -> None:
-        from ..methods import METHODS
-
-        get_workload(self.workload, self.quick)  # raises for an unknown name
-        if not self.methods:
-            raise ValueError("--methods is empty; give a comma-separated list such as ddp,ab")
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method {unknown[0]!r} in --methods; choose from: {', '.join(METHODS)}")
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"--methods lists a method twice: {','.join(self.methods)}")
-        stray = [m for m in self.method_args if m not in self.methods]
-        if stray:
-            raise ValueError(f"--method-args for {stray[0]!r}, which is not in --methods ({','.join(self.methods)})")
-        for text in (self.extra, *self.method_args.values()):
-            try:
-                shlex.split(text)
-            except ValueError as exc:
-                raise ValueError(f"cannot split flags {text!r}: {exc}") from None
-        if self.net is not None:
-            self.net_spec  # validates
-
-    @property
-    def net_spec(self) -> netns.NetSpec | None:
-        return netns.NetSpec.parse(self.net) if self.net is not None else None
-
-
-def parse_method_args(items: list[str]) -> dict[str, str]:
-    """``["ab:--ab-rank-fraction 0.1", ...]`` -> ``{"ab": "--ab-rank-fraction 0.1"}`` (repeats are joined)."""
-    out: dict[str, str] = {}
-    for item in items:
-        method, sep, flags = item.partition(":")
-        if not sep or not method.strip():
-            raise ValueError(f"--method-args takes METHOD:FLAGS, e.g. 'ab:--ab-rank-fraction 0.1', got {item!r}")
-        method, flags = method.strip(), flags.strip()
-        out[method] = f"{out[method]} {flags}".strip() if method in out else flags
-    return out
-
-
-@dataclass
-class Outcome:
-    """What one method's run left behind."""
-
-    method: str
-    command: list[str]
-    run_dir: str
-    status: str = "not run"  # complete / failed / interrupted / not run
-    error: str | None = None
-    returncode: int | None = None
-    seconds: float = 0.0
-    results: dict[str, Any] | None = None
-    measured: dict[str, Any] | None = None  # --net: interface counters of each node during the run
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "status": self.status, "error": self.error, "returncode": self.returncode,
-                "run_dir": self.run_dir, "command": " ".join(shlex.quote(c) for c in self.command),
-                "seconds": self.seconds, "measured": self.measured}
 
 
 def default_out(workload: str) -> str:
@@ -153,8 +81,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run every method of ``cfg`` and write report.json, report.md and the plots; returns the report."""
-    from .report import build_report, write_report
-
     workload = get_workload(cfg.workload, cfg.quick)
     out = os.path.abspath(cfg.out or default_out(workload.name))
     if os.path.exists(os.path.join(out, "report.json")):

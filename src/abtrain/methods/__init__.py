@@ -10,8 +10,8 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
 from . import registry
 from .base import Method
 

@@ -13,10 +13,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import lowrank
-from ..comm import Communicator
-from ..memory import training_state_parts
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
 from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner
+from .memory import training_state_parts
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Method(LoopContract):
         self.last_lrs: list[float] = []  # learning rates applied in the last step
         self.verbose = True  # rank 0 prints what the method decides (see say())
         #: by phase (the ledger's label of the step), the most bytes of training state this worker held after a
-        #: step of that phase, by part (:mod:`abtrain.memory`)
+        #: step of that phase, by part (:mod:`abtrain.methods.memory`)
         self.peak_state: dict[str, dict[str, int]] = {}
         self._measure_steps = 0  # steps still to measure since the state last changed shape (see note_state_change)
         self._measured_phase: str | None = None
@@ -326,8 +326,8 @@ class Method(LoopContract):
     def results(self) -> dict[str, Any]:
         """This worker's run so far, as results.json has it: the dense model's parameters, the model as it
         trains, the most training state held against DDP's, the ledger's bytes and DDP's for the same steps."""
-        from ..memory import dense_training_state_bytes, moments_per_element
-        from ..results import ddp_equivalent
+        from ..run.results import ddp_equivalent
+        from .memory import dense_training_state_bytes, moments_per_element
 
         module = self.module
         params = (lowrank.full_param_count(module, self.records) if getattr(self, "records", None)
@@ -344,7 +344,7 @@ class Method(LoopContract):
     def summary(self) -> str:
         """The lines of ``abtrain train``'s summary that one's own loop can have: model size, training state,
         bytes by scope and phase, and DDP's bytes for the same steps (call it while attached, on rank 0)."""
-        from ..results import method_lines
+        from ..run.results import method_lines
 
         results = self.results()
         head = (f"abtrain {self.name} | {results['world_size']} workers in groups of {results['group_size']} | "

@@ -3,7 +3,7 @@
 The semantics of torch's ``bf16_compress_hook``
 (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``): cast the
 bucket to bf16, divide by the world size, all-reduce (sum), cast back into the
-fp32 bucket. :class:`~abtrain.reducers.BF16AllReduce` does it through the
+fp32 bucket. :class:`~abtrain.compress.reducer.BF16AllReduce` does it through the
 communicator, so the ledger records the bf16 tensor that is actually sent.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..comm import Communicator
-from ..reducers import BF16AllReduce
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
+from ..compress.reducer import BF16AllReduce
 from .ddp import DDPMethod
 from .registry import MethodSpec, register
 

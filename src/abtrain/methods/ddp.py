@@ -10,10 +10,10 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm import Communicator
-from ..ddp_hook import ReducerHook
-from ..reducers import AllReduce, Reducer
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
+from ..compress.ddp_hook import ReducerHook
+from ..compress.reducer import AllReduce, Reducer
 from .base import Method
 from .registry import MethodSpec, register
 

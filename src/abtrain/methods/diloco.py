@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
 from ..validate import Options, opt
 from .periodic import PeriodicMethod
 from .registry import MethodSpec, register

@@ -21,14 +21,14 @@ worker. The first ``warmup_steps`` steps (1 by default: EF21's
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
+from ..compress.topk import topk_compress, topk_count
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register
@@ -45,17 +45,6 @@ class EF21Config(Options):
     def check(self) -> None:
         self.require("fraction", 0 < self.fraction <= 1, "in (0, 1], e.g. 0.01 for 1 %")
         self.require("warmup_steps", self.warmup_steps >= 0, "an integer >= 0")
-
-
-def topk_count(numel: int, fraction: float) -> int:
-    """Elements the compressor keeps of a tensor of ``numel`` elements (at least one)."""
-    return max(1, min(numel, math.ceil(fraction * numel)))
-
-
-def topk_compress(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` entries of flat ``x`` largest in magnitude: (values, int64 indices)."""
-    indices = torch.topk(x.abs(), k, sorted=False).indices
-    return x[indices], indices
 
 
 class EF21(GradientMethod):

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
 from ..validate import Options, opt
 from .base import optimizer_moments
 from .periodic import PeriodicMethod

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
+from ..compress.sign import segment_ids, sign_compress, sign_decompress
+from ..compress.wire import as_floats
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register
-
-_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
 
 @dataclass
@@ -54,53 +54,6 @@ class OneBitConfig(Options):
     def check(self) -> None:
         self.require("warmup_steps", self.warmup_steps >= 0, "an integer >= 0")
         self.require("chunk_size", self.chunk_size >= 0, ">= 0 (0: one scale per tensor)")
-
-
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """One bit per element of flat ``x`` (numel a multiple of 8), 1 for ``x >= 0``, 8 to a uint8, first element in the high bit."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=x.device)
-    return ((x >= 0).view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
-
-
-def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """The ±1.0 float32 signs of :func:`pack_signs`' bytes."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    bits = (packed.view(-1, 1) & weights).ne(0).view(-1)
-    return bits.to(torch.float32).mul_(2).sub_(1)
-
-
-def segment_ids(starts: list[int], numel: int, slices: int) -> tuple[torch.Tensor, int]:
-    """Per element of a buffer of ``numel`` (divisible by ``slices``) its segment's id, ``slice * M + local``.
-
-    ``starts`` are the first elements of the segments; the slice boundaries are
-    added. Returns the ids and ``M``, the most segments any slice holds.
-    """
-    length = numel // slices
-    bounds = sorted(set(starts) | {j * length for j in range(slices)})
-    bounds_t = torch.tensor(bounds, dtype=torch.int64)
-    element = torch.arange(numel, dtype=torch.int64)
-    which = torch.searchsorted(bounds_t, element, right=True) - 1  # index of the segment in ``bounds``
-    slice_of = element // length
-    first = torch.searchsorted(bounds_t, torch.arange(slices, dtype=torch.int64) * length)
-    local = which - first[slice_of]
-    m = int(torch.bincount(bounds_t // length, minlength=slices).max())
-    return slice_of * m + local, m
-
-
-def sign_compress(x: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as (packed signs, one float32 scale ``mean |x|`` per segment); ``counts`` are the segments' sizes."""
-    scales = torch.zeros(counts.numel(), dtype=torch.float32, device=x.device).index_add_(0, ids, x.abs())
-    return pack_signs(x), scales.div_(counts.clamp(min=1))
-
-
-def sign_decompress(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The ``s * sign`` values that :func:`sign_compress` sent."""
-    return unpack_signs(packed).mul_(scales[ids])
-
-
-def _floats(raw: torch.Tensor) -> torch.Tensor:
-    # A copy first: viewing bytes as float32 needs a 4-byte-aligned start, which a slice of a message may lack.
-    return raw.clone().view(torch.float32)
 
 
 class OneBit(GradientMethod):
@@ -158,14 +111,14 @@ class OneBit(GradientMethod):
         # This worker's slice: the mean of the p workers' compressed versions, compressed again with error feedback.
         total = torch.zeros(length, device=flat.device)
         for row in received:
-            total += sign_decompress(row[:length // 8], _floats(row[length // 8:]), self.slice_ids)
+            total += sign_decompress(row[:length // 8], as_floats(row[length // 8:]), self.slice_ids)
         y = total.div_(p).add_(self.server_error)
         packed, scales = sign_compress(y, self.slice_ids, self.slice_counts)
         self.server_error = y.sub_(sign_decompress(packed, scales, self.slice_ids))
         message = torch.cat([packed, scales.view(torch.uint8)])
         gathered = self.comm.all_gather(message, self.topo.world)
 
-        average = torch.cat([sign_decompress(g[:length // 8], _floats(g[length // 8:]), ids)
+        average = torch.cat([sign_decompress(g[:length // 8], as_floats(g[length // 8:]), ids)
                              for g, ids in zip(gathered, self.all_slice_ids)])
         return average[:n]
 

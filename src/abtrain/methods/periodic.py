@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
 from .base import Method
 
 

@@ -11,8 +11,8 @@ of their own (two collectives per bucket instead of three, the same elements).
 Each element is still summed and then divided as there, so two workers get
 torch's bits (the test compares them); with more, a sum over the longer buffer may
 add in another order and round differently.
-The math is :class:`~abtrain.reducers.PowerSGDReducer`, handed each DDP bucket by
-:class:`~abtrain.ddp_hook.ReducerHook`; its two all-reduces (the Ps with the
+The math is :class:`~abtrain.compress.powersgd.PowerSGDReducer`, handed each DDP bucket by
+:class:`~abtrain.compress.ddp_hook.ReducerHook`; its two all-reduces (the Ps with the
 uncompressed tensors, the Qs) go through the communicator, so the ledger holds, per
 compressed step, exactly the ``numel_after_compression`` elements: the
 uncompressed tensors plus every P and Q. The first ``start_iter`` steps are
@@ -25,9 +25,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..comm import Communicator
-from ..reducers import WIRE_DTYPES, PowerSGDReducer, Reducer
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
+from ..compress.powersgd import PowerSGDReducer
+from ..compress.reducer import Reducer
+from ..compress.wire import WIRE_DTYPES
 from ..validate import Options, opt
 from .ddp import DDPMethod
 from .registry import MethodSpec, register

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import nn
@@ -42,7 +42,8 @@ class MethodSpec:
     what needs the model or the step budget (it may not change ``model``);
     ``group_layout(options, world_size, local_world_size)`` returns the group size
     the method wants when ``--group-size`` is not given, and a line to print
-    when that is not the default (one group per node), or None.
+    when that is not the default (one group per node), or None; the caller adds
+    how to choose another (:func:`abtrain.comm.topology.group_layout`).
     """
 
     name: str
@@ -66,6 +67,10 @@ class MethodSpec:
         if self.options is not None and self.options.section != self.section:
             raise ValueError(f"method {self.name!r}: its options class {self.options.__name__} has section "
                              f"{self.options.section!r}; they must be the same name")
+
+    def has_option(self, name: str) -> bool:
+        """True when the method's options have a field ``name`` (AB-training's ``quiet``)."""
+        return self.options is not None and name in {f.name for f in fields(self.options)}
 
     @property
     def section(self) -> str:

@@ -39,15 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Communicator
-from ..topology import Topology
+from ..comm.communicator import Communicator
+from ..comm.topology import Topology
+from ..compress.e3m0 import e3m0_decode, e3m0_encode
+from ..compress.wire import as_floats
 from ..validate import Options, opt
 from .base import Method
-from .onebit import _floats
 from .registry import MethodSpec, register
-
-#: The magnitudes an E3M0 code holds, as multiples of the block's scale: 0, 2**-6, ..., 2**-1, 1.
-E3M0_LEVELS = 8
 
 
 @dataclass
@@ -96,27 +94,6 @@ def fragments_of(model: nn.Module, count: int) -> list[list[int]]:
         raise ValueError(f"--streaming-diloco-fragments {count}: the model has {len(units)} modules with parameters; "
                          f"choose at most {len(units)}")
     return [sorted(i for u in units[f::count] for i in u) for f in range(count)]
-
-
-def e3m0_encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat ``x`` (numel a multiple of ``block``) as (uint8 codes two to a byte, the first in the high nibble;
-    float32 scales, one per block)."""
-    blocks = x.view(-1, block)
-    scales = blocks.abs().amax(dim=1)
-    ratio = blocks.abs() / scales.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
-    # log2(0) = -inf clamps to code 0: magnitudes below s * 2**-6.5 travel as zero.
-    exponent = torch.round(torch.log2(ratio)).add_(E3M0_LEVELS - 1).clamp_(0, E3M0_LEVELS - 1)
-    codes = exponent.to(torch.uint8) | (blocks < 0).to(torch.uint8) << 3
-    pairs = codes.view(-1, 2)
-    return (pairs[:, 0] << 4) | pairs[:, 1], scales
-
-
-def e3m0_decode(packed: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """The float32 values of :func:`e3m0_encode`'s codes."""
-    codes = torch.stack([packed >> 4, packed & 15], dim=1).view(-1, block)
-    exponent = (codes & 7).to(torch.float32)
-    magnitude = torch.where(exponent > 0, torch.exp2(exponent - (E3M0_LEVELS - 1)), 0.0) * scales.unsqueeze(1)
-    return torch.where((codes & 8) > 0, -magnitude, magnitude).view(-1)
 
 
 class StreamingDiLoCo(Method):
@@ -217,10 +194,10 @@ class StreamingDiLoCo(Method):
         received = self.comm.all_to_all(send.reshape(-1), world).view(p, -1)
         total = torch.zeros(length, dtype=torch.float32, device=flat.device)
         for row in received:  # rank order: every worker adds its slice the same way
-            total += e3m0_decode(row[:length // 2], _floats(row[length // 2:]), block)
+            total += e3m0_decode(row[:length // 2], as_floats(row[length // 2:]), block)
         codes, scales = e3m0_encode(total.div_(p), block)
         gathered = self.comm.all_gather(torch.cat([codes, scales.view(torch.uint8)]), world)
-        return torch.cat([e3m0_decode(g[:length // 2], _floats(g[length // 2:]), block) for g in gathered])[:n]
+        return torch.cat([e3m0_decode(g[:length // 2], as_floats(g[length // 2:]), block) for g in gathered])[:n]
 
     # -- agreement ---------------------------------------------------------------------------------
     def in_consensus(self) -> bool:

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ...comm import Communicator, Group
+from ...comm.communicator import Communicator
+from ...comm.group import Group
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 

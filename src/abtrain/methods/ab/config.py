@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import lowrank
-from ...reducers import DENSE_REDUCERS, WIRE_DTYPES
+from ...comm.topology import node_group_size
+from ...compress.dense import DENSE_REDUCERS
+from ...compress.wire import WIRE_DTYPES
 from ...validate import Options, opt
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
@@ -199,7 +201,7 @@ def default_group_size(world_size: int, local_world_size: int, cfg: ABConfig) ->
     On one node (all workers in one group) the world is split into the smallest
     number of groups above one that divides it: 2 groups for an even world.
     """
-    g = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
+    g = node_group_size(world_size, local_world_size)
     if cfg.sync == "only-b" or world_size < 2 or world_size // g >= 2:
         return g
     groups = next(k for k in range(2, world_size + 1) if world_size % k == 0)
@@ -210,8 +212,6 @@ def default_group_size(world_size: int, local_world_size: int, cfg: ABConfig) ->
 def group_layout(cfg: ABConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
     """The group size when none was chosen, and the line that says so (None: nothing to say)."""
     g = default_group_size(world_size, local_world_size, cfg)
-    per_node = local_world_size if world_size % max(1, local_world_size) == 0 else world_size
-    if g == per_node or cfg.quiet:
+    if g == node_group_size(world_size, local_world_size) or cfg.quiet:
         return g, None
-    return g, (f"AB-training: one node of {world_size} workers: {world_size // g} groups of {g} "
-               f"(--group-size to choose)")
+    return g, f"AB-training: one node of {world_size} workers: {world_size // g} groups of {g}"

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from ... import lowrank
-from ...comm import Communicator
-from ...reducers import WIRE_DTYPES, PowerSGDReducer, build_reducer
-from ...topology import Topology
+from ...comm.communicator import Communicator
+from ...comm.topology import Topology
+from ...compress.dense import build_reducer
+from ...compress.powersgd import PowerSGDReducer
+from ...compress.wire import WIRE_DTYPES
 from ..base import Method
 from .buckets import OverlappedAverage
 from .config import ABConfig, check_topology

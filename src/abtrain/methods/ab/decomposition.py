@@ -7,7 +7,7 @@ import time
 import torch
 
 from ... import lowrank
-from ...memory import moments_per_element
+from ..memory import moments_per_element
 from .core import ABCore
 
 

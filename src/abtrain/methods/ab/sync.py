@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from ... import lowrank
-from ...comm import Communicator, Group
-from ...reducers import PowerSGDReducer
+from ...comm.communicator import Communicator
+from ...comm.group import Group
+from ...compress.powersgd import PowerSGDReducer
 from ..base import optimizer_moments
 from .config import TANGENT_CORES
 from .core import ABCore

@@ -17,13 +17,13 @@ import tempfile
 
 #: What the fork server imports once, before it forks the workers: its tie to the launcher's life, then torch and
 #: the worker's whole code.
-PRELOAD = ["abtrain.fork_server_tie", "torch", "torch.distributed", "torch._dynamo", "abtrain.worker"]
+PRELOAD = ["abtrain.run.fork_server_tie", "torch", "torch.distributed", "torch._dynamo", "abtrain.run.worker"]
 #: The longest temporary directory under which the fork server's socket path (its directory "pymp-XXXXXXXX",
 #: then "listener-XXXXXXXX") stays within a Unix socket's 107 bytes.
 MAX_SOCKET_BASE = 107 - len("/pymp-12345678/listener-12345678")
 #: The file in the launcher's private temporary directory that names the fork server's socket directory.
 SOCKET_DIR_RECORD = "fork-server-dir"
-#: The launcher's pid, for the fork server's tie to its life (:mod:`abtrain.fork_server_tie`, not imported here:
+#: The launcher's pid, for the fork server's tie to its life (:mod:`abtrain.run.fork_server_tie`, not imported here:
 #: importing it ties the importing process to its own parent).
 LAUNCHER_PID_VARIABLE = "ABTRAIN_LAUNCHER_PID"
 

@@ -17,15 +17,15 @@ import sys
 import traceback
 from typing import Any
 
+from ..comm.communicator import CollectiveError
+from ..comm.topology import Topology
+from ..config import TrainConfig
+from ..lowrank import SVDError
 from . import checkpoint as ckpt
-from .comm import CollectiveError
-from .config import TrainConfig
-from .lowrank import SVDError
-from .results import NoSpaceError, RunDirGone, read_status, write_status
 from .lifeline import die_with_parent
-from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard
-from .topology import Topology
 from .plan import Plan, group_layout
+from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard, read_status, write_status
+from .safefile import NoSpaceError, RunDirGone
 from .train import Trainer
 
 #: What a worker's error means: (kind in status.json, exit code, whether a restart may help).
@@ -62,7 +62,7 @@ def classify(exc: BaseException) -> tuple[str, int, bool]:
 
 def as_divergence(exc: Exception, run_dir: str, lr: float) -> Exception:
     """A divergence found outside the trainer (AB-training's SVD of a weight that holds inf or nan) as the
-    trainer's own: a :class:`~abtrain.checkpoint.Diverged` with the same advice (the last good checkpoint, and
+    trainer's own: a :class:`~abtrain.run.checkpoint.Diverged` with the same advice (the last good checkpoint, and
     how to continue from it with a lower --lr). Any other error as it is."""
     if isinstance(exc, FloatingPointError) and not isinstance(exc, ckpt.Diverged):
         return ckpt.Diverged(f"{exc}{ckpt.divergence_advice(run_dir, lr)}")
@@ -110,7 +110,7 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
     if board is not None:
         # The parent is the launcher's fork server (or the launcher itself, for spawned workers); one that is
         # already gone by now would never send the death signal.
-        tie = sys.modules.get("abtrain.fork_server_tie")
+        tie = sys.modules.get("abtrain.run.fork_server_tie")
         die_with_parent(tuple(p for p in (launcher, getattr(tie, "SERVER_PID", None)) if p))
     cfg = TrainConfig.from_dict(cfg_dict)
     restarts = restart_count()

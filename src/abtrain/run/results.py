@@ -1,114 +1,23 @@
-"""Run directory output: results.json, metrics.csv, status.json, TensorBoard; all written atomically."""
+"""Run directory output: results.json, metrics.csv, TensorBoard, the summary table; files written atomically\n(status.json is :mod:`abtrain.run.rundir`'s)."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import errno
 import io
-import json
 import logging
 import os
 import resource
 import sys
 import tempfile
-from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
-from .comm import wire_bytes
-from .safefile import open_file
+from ..comm.ledger import wire_bytes
+from .safefile import atomic_write
 
 log = logging.getLogger(__name__)
 
 HISTORY_COLUMNS = ("step", "epoch", "test_accuracy", "test_loss", "test_perplexity", "train_loss",
                    "wire_bytes", "global_wire_bytes", "wall_seconds", "lr", "phase")
-
-
-class NoSpaceError(OSError):
-    """The device holding a run's files is full (ENOSPC) or its quota is used up (EDQUOT)."""
-
-
-class RunDirGone(OSError):
-    """The directory a run writes into was removed while the run was going on."""
-
-
-def is_no_space(exc: BaseException | None) -> bool:
-    """True when ``exc`` or an exception it was raised from is ENOSPC / EDQUOT (torch.save wraps the
-    OSError of a full disk in a RuntimeError of its zip writer)."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, NoSpaceError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
-
-
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)  # elsewhere: read it by setting it (once, at import)
-    os.umask(mask)
-    return mask
-
-
-_FILE_MODE = 0o666 & ~_umask()  # what open() would give; mkstemp creates 0600
-
-
-def atomic_write(path: str, data: str | Callable[[BinaryIO], None]) -> None:
-    """Write ``data`` (text, or a function writing to a binary file) to ``path`` through a
-    temporary file in the same directory, fsync and a rename: readers never see half a file.
-
-    The file gets the mode the user's umask gives new files. A full disk raises
-    :class:`NoSpaceError` and leaves ``path`` as it was.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    except OSError as exc:
-        if is_no_space(exc):
-            raise NoSpaceError(f"no space left on device while writing {path}") from None
-        if isinstance(exc, FileNotFoundError) and not os.path.isdir(directory):
-            raise RunDirGone(f"{directory} was removed while the run was writing to it ({os.path.basename(path)})") from None
-        raise
-    try:
-        os.fchmod(fd, _FILE_MODE)
-        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as fh:
-            if isinstance(data, str):
-                fh.write(data)
-            else:
-                data(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if is_no_space(exc):
-            raise NoSpaceError(f"no space left on device while writing {path}") from None
-        raise
-
-
-def write_json(path: str, data: Any) -> None:
-    atomic_write(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def write_status(run_dir: str, status: str, **extra: Any) -> None:
-    """``status.json``: running / complete / failed (with the error). results.json exists only when complete."""
-    write_json(os.path.join(run_dir, "status.json"), {"status": status, **extra})
-
-
-def read_status(run_dir: str) -> dict[str, Any] | None:
-    try:
-        with open_file(os.path.join(run_dir, "status.json")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):  # missing, unreadable, or not a regular file (a link is not followed)
-        return None
 
 
 def write_metrics_csv(path: str, history: list[dict[str, Any]]) -> None:
@@ -185,8 +94,8 @@ def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: in
     (the optimizer's per-element state tensors, which DDP's training state of the same model counts)."""
     import torch
 
-    from ._version import __version__
-    from .memory import dense_training_state_bytes
+    from .._version import __version__
+    from ..methods.memory import dense_training_state_bytes
 
     memory = memory or {}
     ddp = ddp_equivalent(params, topo.world_size, topo.group_size, steps)

@@ -1,9 +1,9 @@
-"""Imported first by the local launcher's fork server (:func:`abtrain.fork_server.start_method`), for its effect.
+"""Imported first by the local launcher's fork server (:func:`abtrain.run.fork_server.start_method`), for its effect.
 
 The fork server is the launcher's child and the workers' parent. It would outlive a SIGKILLed launcher for as
 long as its workers run (each holds the pipe whose end tells it to exit), so it asks for SIGKILL when the
 launcher dies, and ends at once when the launcher died before it asked; each worker does the same with the
-server (:func:`abtrain.lifeline.die_with_parent`, given :data:`SERVER_PID`). Nothing here imports torch: the tie
+server (:func:`abtrain.run.lifeline.die_with_parent`, given :data:`SERVER_PID`). Nothing here imports torch: the tie
 holds from the server's first moments.
 """
 

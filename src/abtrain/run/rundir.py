@@ -7,8 +7,9 @@
 - :class:`StepBoard`: one 8-byte slot per worker in a run-private file, the
   number of optimizer steps each worker has completed. The launcher reads it to
   say at which step a worker died.
-- :func:`run_status`: ``status.json``, with a ``running`` that no live process
-  owns reported as ``interrupted`` (the launcher was killed with SIGKILL).
+- :func:`write_status` / :func:`read_status`: ``status.json``, the one reader
+  of it reporting a ``running`` that no live process owns as ``interrupted``
+  (the launcher was killed with SIGKILL).
 - :func:`check_layout`: every path abtrain uses in a run directory is what it
   should be (a regular file, a directory, or nothing), links not followed.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import signal
@@ -27,11 +29,10 @@ import struct
 import time
 from typing import TYPE_CHECKING, Any
 
-from .results import read_status
-from .safefile import WrongKind, check_kind, open_fd, open_file
+from .safefile import WrongKind, check_kind, open_fd, open_file, write_json
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
 #: Exit codes of ``abtrain train`` (docs/reliability.md lists them).
 EXIT_OK = 0
@@ -124,10 +125,20 @@ def is_locked(run_dir: str) -> bool:
     return False
 
 
-def run_status(run_dir: str) -> dict[str, Any] | None:
-    """``status.json``; a ``running`` status whose owner is gone reads as ``interrupted``."""
-    status = read_status(run_dir)
-    if status is not None and status.get("status") == "running" and not is_locked(run_dir):
+def write_status(run_dir: str, status: str, **extra: Any) -> None:
+    """``status.json``: running / complete / failed (with the error). results.json exists only when complete."""
+    write_json(os.path.join(run_dir, "status.json"), {"status": status, **extra})
+
+
+def read_status(run_dir: str) -> dict[str, Any] | None:
+    """``status.json`` (None when it is missing, unreadable, or not a regular file: a link is not followed);
+    a ``running`` status whose owner is gone reads as ``interrupted``."""
+    try:
+        with open_file(os.path.join(run_dir, "status.json")) as fh:
+            status = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if isinstance(status, dict) and status.get("status") == "running" and not is_locked(run_dir):
         status = {**status, "status": "interrupted",
                   "reason": "the process that ran it is gone (killed, or its machine stopped)"}
     return status

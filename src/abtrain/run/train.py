@@ -13,19 +13,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..comm.communicator import Communicator
+from ..comm.ledger import Ledger
+from ..comm.topology import Topology
+from ..config import TrainConfig
+from ..data import batches, shard_indices
+from ..methods.memory import moments_per_element
+from ..models import count_parameters
 from . import checkpoint as ckpt
-from .comm import Communicator, Ledger
-from .config import TrainConfig
-from .data import batches, shard_indices
-from .methods import build_method
-from .memory import moments_per_element
-from .models import count_parameters
 from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
-from .results import (NoSpaceError, TensorBoard, is_no_space, peak_rss_bytes, results_record, summary_table,
-                      write_json, write_metrics_csv, write_status)
-from .safefile import open_file
-from .topology import Topology
+from .results import TensorBoard, peak_rss_bytes, results_record, summary_table, write_metrics_csv
+from .rundir import write_status
+from .safefile import NoSpaceError, is_no_space, open_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Trainer:
         self.model = plan.model.to(topo.device)
         self.params = count_parameters(self.model)
         torch.manual_seed(cfg.seed * 1000 + 1 + topo.rank)  # per-worker stream (dropout)
-        self.method = build_method(cfg.method, self.comm, topo, **method_options(cfg))
+        self.method = cfg.method_spec.build(self.comm, topo, **method_options(cfg))
         self.forward_module = self.method.prepare(self.model)
         self.optimizer = build_optimizer(cfg, self.model)
         self.steps_per_epoch = plan.steps_per_epoch
@@ -334,13 +334,6 @@ class Trainer:
             raise ValueError(f"checkpoint of step {state['step']} lacks or garbles its {exc} entry") from None
         self.last_checkpoint = self.step
 
-    def _non_finite(self) -> str | None:
-        """Name of the first parameter or buffer holding inf or nan, if any."""
-        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-                return name
-        return None
-
     def _read_saved_config(self) -> dict[str, Any] | None:
         try:
             with open_file(os.path.join(self.run_dir, "config.json")) as fh:
@@ -352,10 +345,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Write this worker's shard; rank 0 declares the checkpoint complete once every worker has written."""
         self.wall = time.perf_counter() - self._start
-        bad = self._non_finite()
-        if bad is not None:
-            raise ckpt.Diverged(f"{bad} holds inf or nan after step {self.step}; no checkpoint written"
-                                     f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
+        ckpt.check_finite(self.model, self.run_dir, self.cfg.lr, f"after step {self.step}; no checkpoint written")
         good, loss = self.guard.judge()
         manifest = None
         if self.is_main:
@@ -380,10 +370,7 @@ class Trainer:
                   "training_state_by_phase": self.method.peak_state}
         results = results_record(self.cfg, self.topo, self.history, self.step, self.steps_per_epoch, self.params,
                                  self.wall, int(rss[0].item()), comm, self.method.extra_results(), self.resumes, memory)
-        bad = self._non_finite()
-        if bad is not None:
-            raise ckpt.Diverged(f"{bad} holds inf or nan at the end of training"
-                                f"{ckpt.divergence_advice(self.run_dir, self.cfg.lr)}")
+        ckpt.check_finite(self.model, self.run_dir, self.cfg.lr, "at the end of training")
         try:
             # Plain weights (W = A·B where low rank) that load into the model class; checkpoints keep the factors.
             ckpt.save_shard(os.path.join(self.run_dir, "model.pt"), self.method.export())

@@ -1,6 +1,6 @@
 """A communicator that runs in one process: for tests of compression math and byte counts.
 
-:class:`RecordingCommunicator` has the :class:`~abtrain.comm.Communicator`
+:class:`RecordingCommunicator` has the :class:`~abtrain.comm.communicator.Communicator`
 interface. On its own (a world of one) it skips every collective, as the real
 one does. Given a :class:`LocalWorld` of N simulated workers -- N threads of one
 process -- its collectives meet in memory: an all-reduce sums the N workers'
@@ -25,7 +25,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .comm import Communicator, Group, Ledger
+from .communicator import Communicator
+from .group import Group
+from .ledger import Ledger
 
 T = TypeVar("T")
 
@@ -85,7 +87,8 @@ class LocalWorld:
 
 
 class RecordingCommunicator(Communicator):
-    """A :class:`~abtrain.comm.Communicator` whose collectives meet in memory (see the module docstring)."""
+    """A :class:`~abtrain.comm.communicator.Communicator` whose collectives meet in memory (see the module
+    docstring)."""
 
     def __init__(self, world: LocalWorld | None = None, rank: int = 0, ledger: Ledger | None = None) -> None:
         super().__init__(ledger)

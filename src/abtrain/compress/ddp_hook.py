@@ -4,7 +4,7 @@ DDP keeps what it is good at -- bucketing, overlap with the backward pass,
 copying the reduced bucket into ``.grad`` -- and hands each bucket to
 :meth:`ReducerHook.hook`, which passes the bucket's per-parameter gradients
 (views into the bucket's flat buffer, ``GradBucket.gradients()``) with their
-names to the method's :class:`~abtrain.reducers.Reducer`. The reducer writes the
+names to the method's :class:`~abtrain.compress.reducer.Reducer`. The reducer writes the
 averages into those views; the hook's future returns the buffer.
 
 No ``from __future__ import annotations`` here: DDP compares the hook's
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Group
-from .reducers import Reducer
+from ..comm.group import Group
+from .reducer import Reducer
 
 
 class ReducerHook:

@@ -1,9 +1,9 @@
 """The one place where collectives run and where bytes are counted.
 
 Every method (DDP through its communication hook, AB-training, the baselines)
-sends its traffic through a :class:`Communicator`; its :class:`~abtrain.ledger.Ledger`
+sends its traffic through a :class:`Communicator`; its :class:`~abtrain.comm.ledger.Ledger`
 records each call (op, process group, scope, dtype, numel, payload and modelled
-wire bytes, phase, time). The wire-byte model is in :mod:`abtrain.ledger`.
+wire bytes, phase, time). The wire-byte model is in :mod:`abtrain.comm.ledger`.
 """
 
 from __future__ import annotations
@@ -12,34 +12,15 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .ledger import OPS, SCOPES, Ledger, LedgerRow, wire_bytes
+from .group import Group
+from .ledger import Ledger, LedgerRow
 
-__all__ = ["OPS", "SCOPES", "CollectiveError", "Communicator", "Group", "Ledger", "wire_bytes"]
-
-@dataclass(frozen=True)
-class Group:
-    """A named process group as the ledger sees it.
-
-    ``scope`` is ``global`` when the group spans more than one group of
-    workers (traffic that crosses nodes in the intended deployment) and
-    ``group`` when it stays inside one.
-    """
-
-    name: str
-    size: int
-    scope: str
-    pg: Any = None  # torch ProcessGroup, None when size == 1 or not distributed
-    ranks: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+__all__ = ["CollectiveError", "Communicator"]
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

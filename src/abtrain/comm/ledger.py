@@ -1,6 +1,6 @@
 """The communication ledger: every collective counted by op, process group, scope, dtype and phase.
 
-The :class:`~abtrain.comm.Communicator` hands the :class:`Ledger` every call it
+The :class:`~abtrain.comm.communicator.Communicator` hands the :class:`Ledger` every call it
 runs; the ledger records op, process group (name, size, scope), dtype, numel,
 payload bytes, modelled wire bytes, training phase and time.
 
@@ -29,17 +29,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .device_timing import EventTimes
-
-if TYPE_CHECKING:
-    from .comm import Group
+from .group import SCOPES, Group
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
-SCOPES = ("global", "group")
 
 
 def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:

@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .results import NoSpaceError, RunDirGone, atomic_write, is_no_space, write_json
-from .safefile import make_dir, open_file, regular_size
+from .safefile import NoSpaceError, RunDirGone, atomic_write, is_no_space, make_dir, open_file, regular_size, write_json
 
 FORMAT = "abtrain-checkpoint"
 VERSION = 1
@@ -267,6 +266,14 @@ def divergence_advice(run_dir: str, lr: float) -> str:
     loss = f" (training loss {good[1]:.4g})" if isinstance(good[1], float) else ""
     return (f"; the last good checkpoint, of step {good[0]}{loss}, is kept: continue with a lower learning "
             f"rate, 'abtrain train --resume {run_dir} --lr {lr / 10:g}', or with --grad-clip")
+
+
+def check_finite(model: torch.nn.Module, run_dir: str, lr: float, when: str) -> None:
+    """Raise :class:`Diverged` naming the first parameter or buffer of ``model`` that holds inf or nan ``when``
+    (e.g. "at the end of training")."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise Diverged(f"{name} holds inf or nan {when}{divergence_advice(run_dir, lr)}")
 
 
 def save(run_dir: str, step: int, rank: int, state: dict[str, Any], barrier: Any,

@@ -5,18 +5,24 @@ at ``RUN_DIR/.lock`` would make a plain ``open(O_CREAT)`` truncate the file it p
 a read forever. So every file abtrain opens in a run directory is opened with ``O_NOFOLLOW`` (and
 ``O_NONBLOCK``, so a FIFO cannot hang the open) and checked with ``fstat`` to be a regular file, and every
 directory it writes into is checked with ``lstat`` to be a real directory. Writes replace files by
-``rename`` (:func:`abtrain.results.atomic_write`), which replaces a link itself, never its target.
+``rename`` (:func:`atomic_write`), which replaces a link itself, never its target: readers never see half a
+file, and a full disk (:class:`NoSpaceError`) leaves the old one as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import json
 import os
 import stat
-from typing import IO, Any
+import tempfile
+from collections.abc import Callable
+from typing import IO, Any, BinaryIO
 
-__all__ = ["WrongKind", "check_kind", "make_dir", "open_fd", "open_file", "regular_size"]
+__all__ = ["NoSpaceError", "RunDirGone", "WrongKind", "atomic_write", "check_kind", "is_no_space", "make_dir",
+           "open_fd", "open_file", "regular_size", "write_json"]
 
 
 class WrongKind(ValueError):
@@ -92,3 +98,77 @@ def make_dir(path: str) -> None:
         os.mkdir(path)
     except FileExistsError:
         check_kind(path, "dir")
+
+
+class NoSpaceError(OSError):
+    """The device holding a run's files is full (ENOSPC) or its quota is used up (EDQUOT)."""
+
+
+class RunDirGone(OSError):
+    """The directory a run writes into was removed while the run was going on."""
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """True when ``exc`` or an exception it was raised from is ENOSPC / EDQUOT (torch.save wraps the
+    OSError of a full disk in a RuntimeError of its zip writer)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, NoSpaceError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read it by setting it (once, at import)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give; mkstemp creates 0600
+
+
+def atomic_write(path: str, data: str | Callable[[BinaryIO], None]) -> None:
+    """Write ``data`` (text, or a function writing to a binary file) to ``path`` through a
+    temporary file in the same directory, fsync and a rename: readers never see half a file.
+
+    The file gets the mode the user's umask gives new files. A full disk raises
+    :class:`NoSpaceError` and leaves ``path`` as it was.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    except OSError as exc:
+        if is_no_space(exc):
+            raise NoSpaceError(f"no space left on device while writing {path}") from None
+        if isinstance(exc, FileNotFoundError) and not os.path.isdir(directory):
+            raise RunDirGone(f"{directory} was removed while the run was writing to it ({os.path.basename(path)})") from None
+        raise
+    try:
+        os.fchmod(fd, _FILE_MODE)
+        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as fh:
+            if isinstance(data, str):
+                fh.write(data)
+            else:
+                data(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if is_no_space(exc):
+            raise NoSpaceError(f"no space left on device while writing {path}") from None
+        raise
+
+
+def write_json(path: str, data: Any) -> None:
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -9,10 +9,10 @@
 - Otherwise ``--workers N`` local workers are started by torch's
   ``LocalElasticAgent`` (what torchrun uses) with a standalone c10d rendezvous
   on loopback, forked from a fork server that has torch and abtrain imported
-  (:mod:`abtrain.fork_server`). The launcher holds the run
+  (:mod:`abtrain.run.fork_server`). The launcher holds the run
   directory's lock, keeps torch's temporary files in a private directory that
   it removes at the end, and turns every way a run can end into one line and
-  an exit code (see :mod:`abtrain.rundir`).
+  an exit code (see :mod:`abtrain.run.rundir`).
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ import tempfile
 import uuid
 from typing import Any
 
+from ..config import TrainConfig
 from . import fork_server
 from .checkpoint import read_manifest, shard_path
-from .config import TrainConfig
 from .interrupt import hold as hold_signals
 from .interrupt import install as install_signal_handlers
 from .interrupt import restore as restore_signal_handlers
 from .interrupt import signal_of
-from .results import check_writable, read_status, write_json, write_status
+from .results import check_writable
 from .rundir import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_SPACE, EXIT_WORKER_DIED, RunFailed, RunLock, StepBoard,
-                     check_layout, run_status, signal_name)
+                     check_layout, read_status, signal_name, write_status)
+from .safefile import write_json
 from .world_env import external_world
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
             if not resume_dir:
                 check_writable(run_dir)
             # Before the lock: once this process holds it, a 'running' left by a killed launcher looks alive.
-            previous = (run_status(run_dir) or {}) if resume_dir else {}
+            previous = (read_status(run_dir) or {}) if resume_dir else {}
             lock.acquire()  # before anything is read or written: a live run owns its directory
             if resume_dir:
                 check_resumable(run_dir, world, cfg, shards=not mode)

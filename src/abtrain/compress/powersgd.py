@@ -1,105 +1,23 @@
-"""Gradient reducers: how a list of gradients is averaged over a group of workers.
+"""PowerSGD: rank-r compression of gradient matrices with error feedback and warm start.
 
-One seam (``reduce(named_grads, group)``) with three implementations, each
-sending its traffic through the :class:`~abtrain.comm.Communicator` so the
-ledger counts exactly what travels:
-
-* :class:`AllReduce` -- one flat all-reduce, summed then divided by the group size.
-* :class:`BF16AllReduce` -- the same buffer sent as bfloat16 (half the bytes).
-* :class:`PowerSGDReducer` -- rank-r PowerSGD with error feedback and warm start
-  (Vogels et al., NeurIPS 2019, Algorithm 1, in the form of torch's
-  ``powerSGD_hook``): each gradient matrix M (plus its error memory) is sent as
-  P = M·Q and Q = Mᵀ·P̂ (r·(m+n) numbers instead of m·n); tensors that would
-  not shrink (1-D, small) are averaged uncompressed. ``wire_dtype=bfloat16``
-  sends all three buffers in half the bytes; error feedback keeps the rounding.
-
-Every worker ends a ``reduce`` with the same gradients. ``reduce_async`` is the
-same reduction returning a future (DDP's communication hook waits on it, see
-:mod:`abtrain.ddp_hook`). Reducers hold state (error memories, warm-start Qs)
-keyed by parameter name, so it checkpoints. Policy -- when to compress, which
-phase uses which reducer -- belongs to the methods, not here.
+Vogels et al., NeurIPS 2019, Algorithm 1, in the form of torch's
+``powerSGD_hook``: each gradient matrix M (plus its error memory) is sent as
+P = M·Q and Q = Mᵀ·P̂ (r·(m+n) numbers instead of m·n); tensors that would
+not shrink (1-D, small) are averaged uncompressed. ``wire_dtype=bfloat16``
+sends all three buffers in half the bytes; error feedback keeps the rounding.
+A :class:`~abtrain.compress.reducer.Reducer`: the same seam as the uncompressed averages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .comm import Communicator, Group
-
-NamedGrads = Sequence[tuple[str, torch.Tensor]]
-
-
-def _done() -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(None)
-    return fut
-
-
-class Reducer:
-    """Average ``grads`` (name, tensor) in place over ``group``."""
-
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
-
-    def reduce(self, grads: NamedGrads, group: Group) -> None:
-        raise NotImplementedError
-
-    def reduce_async(self, grads: NamedGrads, group: Group) -> torch.futures.Future:
-        """:meth:`reduce`, as a future that completes when ``grads`` hold the average (here: at once)."""
-        self.reduce(grads, group)
-        return _done()
-
-    def reset(self) -> None:
-        """Forget memories that belong to the gradients of an earlier phase."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-class AllReduce(Reducer):
-    """Plain averaging: one flat all-reduce per dtype (sum, then divide by the group size)."""
-
-    def reduce(self, grads: NamedGrads, group: Group) -> None:
-        self.comm.all_reduce_tensors([g for _, g in grads], group, average=True)
-
-    def reduce_async(self, grads: NamedGrads, group: Group) -> torch.futures.Future:
-        tensors = [g for _, g in grads]
-        if group.size <= 1 or not tensors or len({t.dtype for t in tensors}) > 1:
-            return super().reduce_async(grads, group)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-
-        def average(fut: torch.futures.Future) -> None:
-            _unpack(fut.value().div_(group.size), tensors)
-
-        return self.comm.all_reduce_async(flat, group, average=False).then(average)
-
-
-class BF16AllReduce(Reducer):
-    """Averaging with the buffer sent as bfloat16 (divided by the group size before the sum, against overflow)."""
-
-    def reduce(self, grads: NamedGrads, group: Group) -> None:
-        self.comm.all_reduce_tensors([g for _, g in grads], group, average=True, wire_dtype=torch.bfloat16)
-
-    def reduce_async(self, grads: NamedGrads, group: Group) -> torch.futures.Future:
-        tensors = [g for _, g in grads]
-        if group.size <= 1 or not tensors or len({t.dtype for t in tensors}) > 1:
-            return super().reduce_async(grads, group)
-        sent = torch.cat([t.reshape(-1) for t in tensors]).to(torch.bfloat16).div_(group.size)
-        return self.comm.all_reduce_async(sent, group, average=False).then(lambda fut: _unpack(fut.value(), tensors))
+from ..comm.communicator import Communicator
+from ..comm.group import Group
+from .reducer import NamedGrads, Reducer, unpack
 
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
@@ -283,7 +201,7 @@ class PowerSGDReducer(Reducer):
             sent = first.to(self.wire_dtype)
             sent[p_numel:].div_(group.size)
             first.copy_(self.comm.all_reduce(sent, group))
-        _unpack(first[p_numel:], riders)
+        unpack(first[p_numel:], riders)
 
     def _all_reduce(self, flat: torch.Tensor, group: Group, average: bool) -> None:
         """Sum (or average) ``flat`` in place over ``group``, sent as :attr:`wire_dtype` when one is set."""
@@ -311,20 +229,3 @@ class PowerSGDReducer(Reducer):
         rng = state["rng"]
         self.rng.set_state((rng["kind"], rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
                             rng["cached_gaussian"]))
-
-
-DENSE_REDUCERS = ("fp32", "bf16", "powersgd")
-WIRE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # a flag's value -> the dtype sent (None: as computed)
-
-
-def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0,
-                  powersgd_dtype: str = "fp32") -> Reducer:
-    """The reducer called ``kind`` (one of :data:`DENSE_REDUCERS`); ``powersgd_dtype``: its P and Q on the wire."""
-    if kind == "fp32":
-        return AllReduce(comm)
-    if kind == "bf16":
-        return BF16AllReduce(comm)
-    if kind == "powersgd":
-        return PowerSGDReducer(comm, rank=rank, seed=seed, orthogonalization_epsilon=1e-8,
-                               wire_dtype=WIRE_DTYPES[powersgd_dtype])
-    raise ValueError(f"unknown gradient reducer {kind!r}; choose one of: {', '.join(DENSE_REDUCERS)}")

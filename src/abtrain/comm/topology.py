@@ -1,7 +1,7 @@
 """Rank, world, groups of workers and their process groups, in one object.
 
 Models and methods never build process groups themselves: they ask the
-:class:`Topology` for a named :class:`~abtrain.comm.Group`, whose ``scope``
+:class:`Topology` for a named :class:`~abtrain.comm.group.Group`, whose ``scope``
 tells the ledger whether its traffic stays inside one group of workers
 (``group``; one node in the intended deployment) or crosses groups
 (``global``).
@@ -13,12 +13,13 @@ import datetime
 import gc
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .comm import Group
+from .group import Group
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,34 @@ def world_from_env() -> tuple[int, int]:
     return world, _env_int("LOCAL_WORLD_SIZE", world)
 
 
+def node_group_size(world_size: int, local_world_size: int) -> int:
+    """One group per node: the workers of a node, or the whole world when nodes of that size do not divide it."""
+    return local_world_size if world_size % max(1, local_world_size) == 0 else world_size
+
+
+def group_layout(world_size: int, local_world_size: int, group_size: int | None = None,
+                 preferred: Callable[[int, int], tuple[int, str | None]] | None = None,
+                 choose: str = "--group-size") -> tuple[int, str | None]:
+    """The group size of a run, and a line for rank 0 to print when a method chose it (None otherwise).
+
+    ``group_size``, when given; else the method's ``preferred(world_size, local_world_size)`` (a size and
+    a line saying why, or None), the line ending with how to choose another (``choose``: the flag, or
+    ``set group_size=`` for :func:`abtrain.setup`); else one group per node.
+    """
+    if group_size is not None:
+        return group_size, None
+    if preferred is None:
+        return node_group_size(world_size, local_world_size), None
+    size, note = preferred(world_size, local_world_size)
+    return size, None if note is None else f"{note} ({choose} to choose)"
+
+
 @dataclass
 class Topology:
     """Where this worker sits: rank, world size, its group, device and backend.
 
     ``group_size`` workers form one group (default: the workers of one node,
-    LOCAL_WORLD_SIZE). Groups are contiguous ranks: group ``k`` holds ranks
+    :func:`node_group_size`). Groups are contiguous ranks: group ``k`` holds ranks
     ``k*g .. k*g+g-1``.
     """
 
@@ -88,7 +111,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.group_size is None:
-            self.group_size = self.local_world_size
+            self.group_size = node_group_size(self.world_size, self.local_world_size)
         g = self.group_size
         if g < 1:
             raise ValueError(f"group size must be >= 1, got {g}")

@@ -3,6 +3,7 @@ optimizer and its learning-rate schedule."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -11,16 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import TrainConfig
-from .data import DataError, Dataset, load_dataset, steps_per_epoch
-from .methods import registry
-from .models import build_model
-from .topology import resolve_backend
+from ..comm import topology
+from ..config import TrainConfig
+from ..data import DataError, Dataset, load_dataset, steps_per_epoch
+from ..models import build_model
 
 
 def method_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The options of ``cfg.method`` taken from the flat config."""
-    spec = registry.get(cfg.method)
+    """The keyword options ``cfg.method_spec.build`` takes, from the flat config."""
+    spec = cfg.method_spec
     options: dict[str, Any] = {}
     if spec.bucket_cap:
         options["bucket_cap_mb"] = cfg.bucket_cap_mb
@@ -30,14 +30,11 @@ def method_options(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def group_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, str | None]:
-    """The group size this run uses (default: one group per node, unless the method chooses), and a line to
-    print when the method chose another."""
-    if cfg.group_size is not None:
-        return cfg.group_size, None
-    spec = registry.get(cfg.method)
-    if spec.group_layout is not None:
-        return spec.group_layout(cfg.options(), world_size, local_world_size)
-    return (local_world_size if world_size % max(1, local_world_size) == 0 else world_size), None
+    """The group size this run uses (:func:`abtrain.comm.topology.group_layout`: --group-size, else the method's
+    choice, else one group per node), and a line to print when the method chose it."""
+    spec = cfg.method_spec
+    preferred = functools.partial(spec.group_layout, cfg.options()) if spec.group_layout is not None else None
+    return topology.group_layout(world_size, local_world_size, cfg.group_size, preferred)
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -107,8 +104,8 @@ def check_samples(ds: Dataset, model: nn.Module, name: str) -> None:
 
 def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = None) -> Plan:
     """Every check that can fail on user input, before any worker starts; returns the run's plan."""
-    spec = registry.get(cfg.method)
-    resolve_backend(cfg.backend, cfg.device)
+    spec = cfg.method_spec
+    topology.resolve_backend(cfg.backend, cfg.device)
     ds = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, block_size=cfg.block_size,
                       limit_train=cfg.limit_train, limit_test=cfg.limit_test)
     shard = len(ds.train) // world_size

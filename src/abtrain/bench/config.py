@@ -1,0 +1,62 @@
+"""What ``abtrain bench`` is asked to run: the workload, the methods, the flags added to their runs, the network."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from . import netns
+from .projection import NetworkModel
+from .workloads import DEFAULT_METHODS, get_workload
+
+
+@dataclass
+class BenchConfig:
+    """Everything ``abtrain bench`` needs."""
+
+    workload: str = "fashion-cnn"
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    quick: bool = False
+    out: str | None = None
+    extra: str = ""
+    method_args: dict[str, str] = field(default_factory=dict)
+    net: str | None = None
+    network_model: NetworkModel = field(default_factory=NetworkModel)
+
+    def __post_init__(self) -> None:
+        from ..methods import METHODS
+
+        get_workload(self.workload, self.quick)  # raises for an unknown name
+        if not self.methods:
+            raise ValueError("--methods is empty; give a comma-separated list such as ddp,ab")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method {unknown[0]!r} in --methods; choose from: {', '.join(METHODS)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"--methods lists a method twice: {','.join(self.methods)}")
+        stray = [m for m in self.method_args if m not in self.methods]
+        if stray:
+            raise ValueError(f"--method-args for {stray[0]!r}, which is not in --methods ({','.join(self.methods)})")
+        for text in (self.extra, *self.method_args.values()):
+            try:
+                shlex.split(text)
+            except ValueError as exc:
+                raise ValueError(f"cannot split flags {text!r}: {exc}") from None
+        if self.net is not None:
+            self.net_spec  # validates
+
+    @property
+    def net_spec(self) -> netns.NetSpec | None:
+        return netns.NetSpec.parse(self.net) if self.net is not None else None
+
+
+def parse_method_args(items: list[str]) -> dict[str, str]:
+    """``["ab:--ab-rank-fraction 0.1", ...]`` -> ``{"ab": "--ab-rank-fraction 0.1"}`` (repeats are joined)."""
+    out: dict[str, str] = {}
+    for item in items:
+        method, sep, flags = item.partition(":")
+        if not sep or not method.strip():
+            raise ValueError(f"--method-args takes METHOD:FLAGS, e.g. 'ab:--ab-rank-fraction 0.1', got {item!r}")
+        method, flags = method.strip(), flags.strip()
+        out[method] = f"{out[method]} {flags}".strip() if method in out else flags
+    return out

@@ -1,0 +1,23 @@
+"""The reducers that average full gradients, chosen by a flag's value (AB-training's ``--ab-dense-comm``)."""
+
+from __future__ import annotations
+
+from ..comm.communicator import Communicator
+from .powersgd import PowerSGDReducer
+from .reducer import AllReduce, BF16AllReduce, Reducer
+from .wire import WIRE_DTYPES
+
+DENSE_REDUCERS = ("fp32", "bf16", "powersgd")
+
+
+def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0,
+                  powersgd_dtype: str = "fp32") -> Reducer:
+    """The reducer called ``kind`` (one of :data:`DENSE_REDUCERS`); ``powersgd_dtype``: its P and Q on the wire."""
+    if kind == "fp32":
+        return AllReduce(comm)
+    if kind == "bf16":
+        return BF16AllReduce(comm)
+    if kind == "powersgd":
+        return PowerSGDReducer(comm, rank=rank, seed=seed, orthogonalization_epsilon=1e-8,
+                               wire_dtype=WIRE_DTYPES[powersgd_dtype])
+    raise ValueError(f"unknown gradient reducer {kind!r}; choose one of: {', '.join(DENSE_REDUCERS)}")
