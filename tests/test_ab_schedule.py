@@ -64,7 +64,7 @@ def test_the_earlier_defaults_file_and_what_the_defaults_follow():
     raw = read_config_file(str(Path(__file__).parents[1] / "examples" / "ab-earlier-defaults.toml"))
     assert TrainConfig.from_dict(raw).ab == ABConfig(**EARLIER_DEFAULTS)
     assert all(getattr(ABConfig(), k) != v for k, v in EARLIER_DEFAULTS.items())
-    # the defaults are the configuration docs/benchmarks.md measured on the three workloads under these flags
+    # the defaults are the configuration docs/notebook/2026-12-the-defaults.md measured on the three workloads under these flags
     recipe = dict(tau=0.05, powersgd_rank=31, warmup_fraction=0.01, cycle_fraction=0.015, split="tangent",
                   sync_payload="lowrank", tangent_core="mean")
     assert ABConfig() == ABConfig(**recipe) and ABConfig(**{**EARLIER_DEFAULTS, **recipe}) == ABConfig()

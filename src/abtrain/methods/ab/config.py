@@ -24,7 +24,7 @@ RANK_CAPS = ("pays", "state", "none")
 DEFAULT_TAU = 0.05  # the rank rule when none is given; why this value: docs/ab-training.md, "Defaults"
 
 #: The method as its authors' code runs it, where abtrain's defaults differ (those were measured to send fewer
-#: bytes between nodes: docs/benchmarks.md): fp32 full-rank phases and sync, with-stale, the sqrt split,
+#: bytes between nodes: docs/notebook/): fp32 full-rank phases and sync, with-stale, the sqrt split,
 #: tau 0.15 at every truncation whatever the factors' size, no rank floor, no averaged optimizer moments,
 #: ortho-sigma initialisation. ``ABConfig(**PAPER)``, ``abtrain.setup("ab", **PAPER)``, or ``abtrain train
 #: --config examples/ab-paper.toml`` (the training recipe stays the user's; examples/ab-resnet50.toml,
@@ -36,7 +36,7 @@ PAPER: dict[str, Any] = {
     "sync_moments": False, "min_rank": 1, "init": "ortho-sigma",
 }
 
-#: The configuration of the results that docs/benchmarks.md and docs/ab-training.md call "the earlier
+#: The configuration of the results that docs/notebook/ and docs/ab-training.md call "the earlier
 #: defaults", kept so that each can be reproduced to the byte (``examples/ab-earlier-defaults.toml`` holds
 #: the same).
 EARLIER_DEFAULTS: dict[str, Any] = {
