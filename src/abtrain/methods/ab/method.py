@@ -76,7 +76,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         if found:
             self.say(f"AB-training: keeping {', '.join(self.kept)} full rank: "
                      f"{'it produces' if len(found) == 1 else 'they produce'} the model's output "
-                     f"(keep_output=False / --ab-no-keep-output factorises it)")
+                     f"(keep_output=False / --no-ab-keep-output factorises it)")
 
     def _stop_output_search(self) -> None:
         self.output_searched = True
