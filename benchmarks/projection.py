@@ -19,8 +19,9 @@ GPT-2 small (124 M). For each method, the time to reach a target metric is
   from the bench model to the real one is the projection's main assumption.
 - ``c_m`` (measured, ``--cost``): the method's step at the real model's layer shapes relative to
   ``none``'s, from ``benchmarks/cost.py`` (its amortised step: decompositions, syncs' arithmetic,
-  factor products, DCTs). DDP's is 1 by definition: its communication is in ``comm_m``. A method
-  the cost file lacks is taken as 1 and marked.
+  factor products, DCTs), with its events spread over a run as long as the bench's (the same
+  number of syncs per step as the bytes below). DDP's is 1 by definition: its communication is in
+  ``comm_m``. A method the cost file lacks is taken as 1 and marked.
 - ``C`` (assumed, ``--compute-ms``): the dense model's forward, backward and step on one GPU. The
   defaults are 6·N·tokens FLOPs for the transformers (GPT-2: 8 sequences of 1,024 tokens per GPU;
   ViT-B/16: 64 images of 197 tokens) and 3 × 8.2 GFLOPs per 224×224 image for ResNet-50 (64
@@ -103,9 +104,19 @@ def fractions(rows: list[dict[str, Any]], perplexity: bool, tolerance: float) ->
     return out
 
 
-def compute_factors(costs: list[dict[str, Any]], model: str, methods: list[str]) -> dict[str, tuple[float, bool]]:
-    """Per method: (its amortised step / none's at the model's shapes, measured?), from the first cost
-    file that has both (each method against the ``none`` of its own run)."""
+def amortised_over(row: dict[str, Any], run_steps: int) -> float:
+    """cost.py's amortised step of a method with its events (syncs, decompositions) spread over a run of
+    ``run_steps`` instead of cost.py's ``--run-steps``: their count is fixed by the schedule's fractions, not
+    by the run's length."""
+    events = row.get("amortised_event_seconds") or 0.0
+    measured_over = row.get("default_schedule", {}).get("run_steps") or run_steps
+    return row["amortised_step_seconds"] - events + events * measured_over / run_steps
+
+
+def compute_factors(costs: list[dict[str, Any]], model: str, methods: list[str],
+                    run_steps: int) -> dict[str, tuple[float, bool]]:
+    """Per method: (its amortised step over a run of ``run_steps`` / none's at the model's shapes, measured?),
+    from the first cost file that has both (each method against the ``none`` of its own run)."""
     out = {}
     for m in methods:
         out[m] = (1.0, m == "ddp")
@@ -113,7 +124,7 @@ def compute_factors(costs: list[dict[str, Any]], model: str, methods: list[str])
             rows = {r["variant"]: r for r in cost["rows"] if r["model"] == model}
             none = rows.get("none", {}).get("amortised_step_seconds")
             if none and rows.get(m, {}).get("amortised_step_seconds"):
-                out[m] = (rows[m]["amortised_step_seconds"] / none, True)
+                out[m] = (amortised_over(rows[m], run_steps) / none, True)
                 break
     return out
 
@@ -130,7 +141,8 @@ def project(report: dict[str, Any], costs: list[dict[str, Any]], workers: list[i
     rows = [r for r in report["rows"] if r.get("runs")]
     methods = [r["config"] for r in rows]
     f = fractions(rows, perplexity, args.tolerance)
-    c = compute_factors(costs, cost_model, methods)
+    # the events of the bench's run length, as its bytes per step are
+    c = compute_factors(costs, cost_model, methods, rows[0]["runs"][0]["steps"])
     compute = (args.compute_ms.get(workload) / 1e3 if workload in args.compute_ms
                else gflops / (SUSTAINED_TFLOPS * 1e3))
     grid = []
@@ -175,6 +187,16 @@ def render(p: dict[str, Any], workers: list[int], tolerance: float, perplexity: 
                 cells.append(f"{best} {ratios[best]:.2f}" if best != "ddp" else "ddp")
             lines.append(f"| {net} | " + " | ".join(cells) + " |")
         lines.append("")
+    at = 64 if 64 in workers else workers[-1]
+    methods = list(p["fractions"])
+    lines += [f"Every method at {at} workers, to DDP's final metric less {tol} (its time / DDP's; – never "
+              "reached), and its step (compute + communication, ms):", "",
+              "| network | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    for cell in (c for c in p["grid"] if c["workers"] == at):
+        lines.append(f"| {cell['network']} | " + " | ".join(
+            f"{_f(cell['loose'][m])} ({1e3 * cell['step_seconds'][m]['compute']:.0f} + "
+            f"{1e3 * cell['step_seconds'][m]['comm']:.0f})" for m in methods) + " |")
+    lines.append("")
     return lines
 
 
