@@ -78,7 +78,8 @@ def stats(values: list[float]) -> tuple[float, float]:
 ref_name = configs[0][0]
 rows = []
 for name, flags in configs:
-    runs = [results[(name, s)] for s in seeds if (name, s) in results]
+    done = [s for s in seeds if (name, s) in results]
+    runs = [results[(name, s)] for s in done]
     refs = [results[(ref_name, s)] for s in seeds if (name, s) in results and (ref_name, s) in results]
     if not runs:
         continue
@@ -88,7 +89,7 @@ for name, flags in configs:
     ref_value = [r["final"][metric] for r in refs]
     ref_glob = [r["comm"]["by_scope"]["global"]["wire_bytes"] for r in refs]
     row = {
-        "config": name, "flags": flags, "seeds": [s for s in seeds if (name, s) in results],
+        "config": name, "flags": flags, "seeds": done,
         metric: stats(value), f"{metric}_per_seed": value, "global_wire_bytes": stats(glob), "total_wire_bytes": stats(total),
         "delta_vs_ref": stats([a - b for a, b in zip(value, ref_value)]) if refs else None,
         "global_share_of_ref": stats([a / b for a, b in zip(glob, ref_glob)]) if refs else None,
@@ -107,7 +108,7 @@ for name, flags in configs:
                   "world_size": r["world_size"], "history": [[h["step"], h[metric]] for h in r["history"]],
                   "comm_rows": [{k: row[k] for k in ("op", "scope", "phase", "group_size", "calls", "payload_bytes",
                                                      "wire_bytes")} for row in r["comm"]["rows"]]}
-                 for s, r in zip([s for s in seeds if (name, s) in results], runs)],
+                 for s, r in zip(done, runs)],
     }
     rows.append(row)
 

@@ -4,7 +4,7 @@
         [--size cpu|gpu|tiny] [--full] [--device cpu|cuda] [--run-steps 10000] [--out FILE]
 
 Each model is a synthetic stand-in that stacks real layer shapes of the model it is named after
-(random inputs and labels, AdamW):
+(random inputs and labels, AdamW; DeMo, which hands the optimizer the sign of its own momentum, plain SGD):
 
 - gpt2: GPT-2 small's transformer block (qkv 768x2304, proj 768x768, MLP 768x3072 and 3072x768,
   12 heads) on a 1024-token sequence, with a tied token embedding and head of 50,257 / 12 = 4,188

@@ -237,9 +237,10 @@ def main() -> None:
     for path in cost_paths:
         with open(path) as fh:
             costs.append(json.load(fh))
+    command = " ".join(shlex.quote(a) for a in ["benchmarks/projection.py", *sys.argv[1:]])
     results, lines = [], [
         "# Which method reaches DDP's metric first, projected to real sizes (a model, not a measurement)", "",
-        f"`{' '.join(shlex.quote(a) for a in ['benchmarks/projection.py', *sys.argv[1:]])}`: "
+        f"`{command}`: "
         f"nodes of {args.node_size} GPUs joined inside by {args.intra_bw / 1e9:g} GB/s; compute factors from "
         + ", ".join(f"`{os.path.relpath(p, ROOT)}` ({c.get('device')}, {c.get('date')})" for p, c in zip(cost_paths, costs))
         + "; the assumptions in the script's docstring and docs/cost.md.", ""]
@@ -254,7 +255,7 @@ def main() -> None:
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "projection.json"), "w") as fh:
-        json.dump({"command": lines[2].split("`")[1], "workers": workers, "node_size": args.node_size,
+        json.dump({"command": command, "workers": workers, "node_size": args.node_size,
                    "intra_bw": args.intra_bw, "tolerance": args.tolerance, "models": results}, fh, indent=1)
     with open(os.path.join(args.out, "projection.md"), "w") as fh:
         fh.write(text + "\n")

@@ -72,6 +72,16 @@ def node_group_size(world_size: int, local_world_size: int) -> int:
     return local_world_size if world_size % max(1, local_world_size) == 0 else world_size
 
 
+def check_group_size(world_size: int, group_size: int, choose: str = "--group-size") -> None:
+    """ValueError unless ``group_size`` workers split ``world_size`` into whole groups (``choose``: how the user
+    sets it, the flag or ``group_size=``)."""
+    if group_size < 1:
+        raise ValueError(f"group size must be >= 1, got {group_size}")
+    if world_size % group_size:
+        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
+                         f"choose a {choose} that divides the number of workers")
+
+
 def group_layout(world_size: int, local_world_size: int, group_size: int | None = None,
                  preferred: Callable[[int, int], tuple[int, str | None]] | None = None,
                  choose: str = "--group-size") -> tuple[int, str | None]:
@@ -112,13 +122,7 @@ class Topology:
     def __post_init__(self) -> None:
         if self.group_size is None:
             self.group_size = node_group_size(self.world_size, self.local_world_size)
-        g = self.group_size
-        if g < 1:
-            raise ValueError(f"group size must be >= 1, got {g}")
-        if self.world_size % g:
-            raise ValueError(
-                f"{self.world_size} workers cannot be split into groups of {g}: "
-                f"choose a --group-size that divides the number of workers")
+        check_group_size(self.world_size, self.group_size)
 
     @property
     def num_groups(self) -> int:

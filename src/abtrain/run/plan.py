@@ -121,9 +121,7 @@ def preflight(cfg: TrainConfig, world_size: int, local_world_size: int | None = 
         raise ValueError(f"--stop-after {cfg.stop_after} must be smaller than the run's {total} steps")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if local_world_size is None else local_world_size
     group_size, note = group_layout(cfg, world_size, local)
-    if world_size % group_size:
-        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
-                         f"choose a --group-size that divides the number of workers")
+    topology.check_group_size(world_size, group_size)
     if spec.check_topology is not None:
         spec.check_topology(cfg.options(), world_size, group_size)
     if spec.check_run is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import lowrank
-from ...comm.topology import node_group_size
+from ...comm.topology import check_group_size, node_group_size
 from ...compress.dense import DENSE_REDUCERS
 from ...compress.wire import WIRE_DTYPES
 from ...validate import Options, opt
@@ -181,9 +181,7 @@ def check_topology(cfg: ABConfig, world_size: int, group_size: int, cli: bool = 
     def fix(name: str, value: Any) -> str:
         return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
 
-    if world_size % group_size:
-        raise ValueError(f"{world_size} workers cannot be split into groups of {group_size}: "
-                         f"choose a {'--group-size' if cli else 'group_size='} that divides the number of workers")
+    check_group_size(world_size, group_size, "--group-size" if cli else "group_size=")
     if cfg.sync != "only-b" and world_size == 1:
         start = "--workers 2 (or more)" if cli else "torchrun --nproc-per-node 2 (or more)"
         raise ValueError(f"AB-training trains A and B in different groups of workers, so it needs at least 2; "
