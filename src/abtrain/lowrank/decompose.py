@@ -106,7 +106,7 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
     rtol = max(rtol, 4 * torch.finfo(stored.dtype).eps)  # W held in a narrow dtype is only that close to the sum
     u, core, vh = parts.U.float(), parts.core.float(), parts.Vh.float()
     p, q = parts.P.float(), parts.Q.float()
-    r, k = u.shape[1], u.shape[1] + p.shape[1]
+    k = u.shape[1] + p.shape[1]  # r + q
     if k >= min(fp.m, fp.n):
         return None  # no smaller problem than W's own SVD
     v = vh.T
