@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from abtrain.cli import build_parser, main
+from abtrain.run.results import human_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -80,6 +81,15 @@ def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion
     # a decomposition every 2 steps: one line says the layers stay as they were, later ones that change nothing are quiet
     heads = [ln for ln in p.stdout.splitlines() if "AB-training: decomposition at step" in ln]
     assert len(r["ranks"]) > len(heads) >= 2 and sum("every layer as before" in ln for ln in heads) == 1, heads
+    # training state per worker: the groups train different factors; the headline is the most any worker held,
+    # and each phase's parts are those of the worker that held the most in it
+    workers = r["training_state_by_worker"]
+    totals = [{phase: sum(parts.values()) for phase, parts in w.items()} for w in workers]
+    assert len(workers) == 4 and "ab" in totals[0] and all(set(t) == set(totals[0]) for t in totals)
+    assert r["training_state_bytes"] == max(max(t.values()) for t in totals)
+    assert {phase: sum(parts.values()) for phase, parts in r["training_state_by_phase"].items()} == {
+        phase: max(t[phase] for t in totals) for phase in totals[0]}
+    assert f"training state  {human_bytes(r['training_state_bytes'])} per worker at most" in p.stdout
 
 
 def test_ab_end_to_end_with_config_file(tmp_path, fashion_dir):

@@ -35,6 +35,36 @@ def peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def gather_memory(comm: Any, group: Any, device: Any, peak_rss: int,
+                  peak_state: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Every worker's peak RSS and training state, gathered over ``group`` (two all-gathers, in the ledger).
+
+    Returns ``peak_rss_bytes`` and ``training_state_bytes`` (the most any worker held), ``training_state_by_worker``
+    (each worker's most after a step of each phase, by part, in rank order) and ``training_state_by_phase`` (for
+    each phase, the parts of the worker that held the most in it): AB-training's groups train different factors,
+    so one worker's figures do not stand for the others'."""
+    import json
+
+    import torch
+
+    encoded = list(json.dumps(peak_state).encode())
+    peak = max((sum(parts.values()) for parts in peak_state.values()), default=0)
+    heads = comm.all_gather(torch.tensor([peak_rss, peak, len(encoded)], dtype=torch.float64, device=device), group)
+    width = int(max(h[2].item() for h in heads))
+    body = torch.zeros(width, dtype=torch.uint8)
+    body[:len(encoded)] = torch.tensor(encoded, dtype=torch.uint8)
+    bodies = comm.all_gather(body.to(device), group)
+    workers = [json.loads(bytes(b[:int(h[2].item())].cpu().tolist()).decode()) for h, b in zip(heads, bodies)]
+    by_phase: dict[str, dict[str, int]] = {}
+    for worker in workers:
+        for phase, parts in worker.items():
+            if sum(parts.values()) > sum(by_phase.get(phase, {}).values()):
+                by_phase[phase] = parts
+    return {"peak_rss_bytes": int(max(h[0].item() for h in heads)),
+            "training_state_bytes": int(max(h[1].item() for h in heads)),
+            "training_state_by_worker": workers, "training_state_by_phase": by_phase}
+
+
 def check_writable(run_dir: str) -> None:
     """Create ``run_dir`` and prove a file can be written there; ValueError with the reason otherwise."""
     try:
@@ -123,8 +153,9 @@ def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: in
         "model_params": params,
         "compression_ratio": None,
         "training_state_bytes": memory.get("training_state_bytes"),
-        # rank 0's most after a step of each phase, by part (parameters, gradients, optimizer, method.*)
+        # by phase, the parts (parameters, gradients, optimizer, method.*) of the worker that held the most in it
         "training_state_by_phase": memory.get("training_state_by_phase"),
+        "training_state_by_worker": memory.get("training_state_by_worker"),
         "comm": comm,
         "ddp_equivalent": ddp,
         **method_results,

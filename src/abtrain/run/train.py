@@ -23,7 +23,7 @@ from ..models import count_parameters
 from . import checkpoint as ckpt
 from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
-from .results import TensorBoard, peak_rss_bytes, results_record, summary_table, write_metrics_csv
+from .results import TensorBoard, gather_memory, peak_rss_bytes, results_record, summary_table, write_metrics_csv
 from .rundir import write_status
 from .safefile import NoSpaceError, is_no_space, open_file, write_json
 
@@ -359,17 +359,16 @@ class Trainer:
     def finish(self) -> dict[str, Any] | None:
         """Rank 0 writes results.json, metrics.csv and model.pt (collective: the ledger's mean over workers)."""
         with self.ledger.in_phase("eval"):
-            # the most any worker held: peak RSS and training state (the groups of AB-training differ)
-            rss = torch.tensor([peak_rss_bytes(), self.method.peak_state_bytes], dtype=torch.float64,
-                               device=self.topo.device)
-            self.comm.all_reduce(rss, self.topo.world, op="max")
+            # every worker's peak RSS and training state (the groups of AB-training differ)
+            memory = gather_memory(self.comm, self.topo.world, self.topo.device, peak_rss_bytes(),
+                                   self.method.peak_state)
             comm = self.comm.mean_summary(self.topo.world)
         if not self.is_main:
             return None
-        memory = {"training_state_bytes": int(rss[1].item()), "moments_per_element": moments_per_element(self.optimizer),
-                  "training_state_by_phase": self.method.peak_state}
+        memory["moments_per_element"] = moments_per_element(self.optimizer)
         results = results_record(self.cfg, self.topo, self.history, self.step, self.steps_per_epoch, self.params,
-                                 self.wall, int(rss[0].item()), comm, self.method.extra_results(), self.resumes, memory)
+                                 self.wall, memory.pop("peak_rss_bytes"), comm, self.method.extra_results(),
+                                 self.resumes, memory)
         ckpt.check_finite(self.model, self.run_dir, self.cfg.lr, "at the end of training")
         try:
             # Plain weights (W = A·B where low rank) that load into the model class; checkpoints keep the factors.
