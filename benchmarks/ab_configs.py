@@ -115,7 +115,7 @@ for name, flags in configs:
 unit = "ppl" if metric == "test_perplexity" else "%"
 scale = 1.0 if metric == "test_perplexity" else 100.0
 print(f"\n{workload.description}; seeds {args.seeds}; mean (spread max-min); reference {ref_name}")
-print(f"{'config':14} {metric:>18} {'vs ref':>16} {'global wire':>20} {'share of ref':>16} {'compression':>14}"
+print(f"{'config':16} {metric:>18} {'vs ref':>16} {'global wire':>20} {'share of ref':>16} {'compression':>14}"
       f" {'state vs DDP':>13}  per seed")
 for r in rows:
     v, dv = r[metric]
@@ -124,15 +124,22 @@ for r in rows:
     sh = r["global_share_of_ref"]
     comp = ",".join(f"{c:.2f}" for c in r["compression_ratio"] if c) or "-"
     state = ",".join(f"{x:.2f}" for x in r["state_vs_ddp"] if x) or "-"
-    print(f"{r['config']:14} {scale * v:9.2f} {unit} ±{scale * dv:4.2f} "
+    print(f"{r['config']:16} {scale * v:9.2f} {unit} ±{scale * dv:4.2f} "
           f"{(f'{scale * d[0]:+7.2f} ±{scale * d[1]:4.2f}') if d else '-':>16} "
           f"{g / 1e6:10.1f} MB ±{dg / 1e6:6.1f} {(f'{100 * sh[0]:6.2f}% ±{100 * sh[1]:4.2f}') if sh else '-':>16} "
           f"{comp:>14} {state:>13}  " + ", ".join(f"{scale * x:.{3 if unit == 'ppl' else 2}f}" for x in r[f"{metric}_per_seed"]))
 for r in rows:
     for seed, decomps in zip(r["seeds"], r["ranks"]):
-        if decomps:
-            text = " | ".join(f"{d['step']}: " + ",".join("-" if v is None else str(v) for v in d["layers"].values())
-                              + f" ({d['ratio']:.1f}:1)" for d in decomps)
+        # one entry per run of decompositions that left the same ranks: "20-1980 (67): 63,63,... (1.0:1)"
+        spans: list[list] = []
+        for d in decomps:
+            ranks = ",".join("-" if v is None else str(v) for v in d["layers"].values()) + f" ({d['ratio']:.1f}:1)"
+            if spans and spans[-1][2] == ranks:
+                spans[-1][1], spans[-1][3] = d["step"], spans[-1][3] + 1
+            else:
+                spans.append([d["step"], d["step"], ranks, 1])
+        if spans:
+            text = " | ".join((f"{a}" if n == 1 else f"{a}-{b} ({n})") + f": {ranks}" for a, b, ranks, n in spans)
             print(f"ranks {r['config']} seed {seed}: {text}")
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(out, "ab_configs.json"), "w") as fh:
