@@ -70,6 +70,11 @@ class Report:
     def seeds(self) -> list[int]:
         return self.rows[0]["seeds"]
 
+    @property
+    def one_seed(self) -> bool:
+        """One seed: no spread, so no difference can be called a tie or not."""
+        return len(self.seeds) == 1
+
 
 def load_reports(root: Path = ROOT) -> list[Report]:
     """Every docs/results/peers-full-*/ab_configs.json under root, in the bench's workload order."""
@@ -100,6 +105,8 @@ def unit(report: Report) -> str:
 
 def mean_spread(report: Report, row: dict) -> str:
     mean, spread = row[report.data["metric"]]
+    if report.one_seed:
+        return f"{metric_text(report, mean)}{unit(report)}"
     return f"{metric_text(report, mean)} ± {metric_text(report, spread)}{unit(report)}"
 
 
@@ -118,7 +125,9 @@ def times_fewer(row: dict) -> str:
 
 
 def is_tie(report: Report, row: dict) -> bool:
-    """A mean difference from the reference smaller than the larger spread of the two."""
+    """A mean difference from the reference smaller than the larger spread of the two (one seed: never)."""
+    if report.one_seed:
+        return False
     metric = report.data["metric"]
     spread = max(row[metric][1], report.rows[0][metric][1])
     return abs(row["delta_vs_ref"][0]) < spread
@@ -163,10 +172,14 @@ def workload_section(report: Report) -> list[str]:
     seeds = " / ".join(str(s) for s in report.seeds)
     folder = report.folder.relative_to("docs").as_posix()
     lines = [f"## `{report.workload}`", ""]
+    over = ("one run per method: with one seed there is no spread, so no difference below is called a "
+            "tie or a win; the second seed is still to be run" if report.one_seed else
+            "mean ± spread (max − min) over the seeds, and each seed's")
     lines += para(
-        f"The workload: {report.data['workload']}; seeds {', '.join(str(s) for s in report.seeds)}. {name.capitalize()} "
-        f"({better}): mean ± spread (max − min) over the seeds, and each seed's; \"vs DDP\" the mean "
-        "difference from DDP's; wire bytes per worker, \"global\" between the groups (between nodes "
+        f"The workload: {report.data['workload']}; seed{'' if report.one_seed else 's'} "
+        f"{', '.join(str(s) for s in report.seeds)}. {name.capitalize()} "
+        f"({better}): {over}; \"vs DDP\" the "
+        f"{'' if report.one_seed else 'mean '}difference from DDP's; wire bytes per worker, \"global\" between the groups (between nodes "
         "in a deployment), \"total\" with the traffic inside a group; \"compression\" the size of "
         "AB-training's model against the dense one; \"state\" the most training state a worker held "
         "(parameters, gradients, optimizer and method state), as a multiple of DDP's.")
@@ -255,8 +268,10 @@ def readme_table(reports: list[Report]) -> str:
             cells += [mean_spread(report, row), megabytes(row["global_wire_bytes"]) + fewer]
         lines.append("| " + " | ".join(cells) + " |")
     seeds = sorted({s for r in reports for s in r.seeds})
+    single = [f"`{r.workload}`: seed {r.seeds[0]} only, no spread" for r in reports if r.one_seed]
     lines += [""] + para(
-        f"Mean ± spread (max − min) over seeds {' and '.join(map(str, seeds))}, 4 workers in 2 groups "
+        f"Mean ± spread (max − min) over seeds {' and '.join(map(str, seeds))}"
+        + (f" ({'; '.join(single)})" if single else "") + ", 4 workers in 2 groups "
         "on one 2-core CPU machine; global wire bytes per worker, between the groups. A difference "
         "smaller than the spread is a tie. Each seed, total bytes, model size, training state and "
         "the commands: [`docs/results.md`](docs/results.md).")

@@ -49,19 +49,23 @@ def test_figures_come_from_the_json():
     assert "is a tie" in page and "shakespeare-gpt" in page
 
 
-def _fake_gpt(folder: Path) -> None:
-    """A perplexity report shaped like ab_configs.py's, for the workload that has none stored yet."""
+def _fake_gpt(folder: Path, seeds: tuple[int, ...] = (0, 1)) -> None:
+    """A perplexity report shaped like ab_configs.py's, in place of the stored one if there is one."""
     def row(config, ppl, glob, ref_glob=12.0e9, ref_ppl=(4.360, 4.400)):
-        mean = sum(ppl) / 2
-        return {"config": config, "flags": f"--method {config}", "seeds": [0, 1],
+        ppl, ref_ppl = ppl[:len(seeds)], ref_ppl[:len(seeds)]
+        mean = sum(ppl) / len(ppl)
+        n = len(seeds)
+        return {"config": config, "flags": f"--method {config}", "seeds": list(seeds),
                 "test_perplexity": [mean, max(ppl) - min(ppl)], "test_perplexity_per_seed": list(ppl),
                 "global_wire_bytes": [glob, 0.0], "total_wire_bytes": [glob * 2, 0.0],
-                "delta_vs_ref": [mean - sum(ref_ppl) / 2, 0.0], "global_share_of_ref": [glob / ref_glob, 0.0],
-                "wall_seconds": [1.0, 0.0], "compression_ratio": [None, None], "model_params": [1, 1],
-                "training_state_bytes": [1, 1], "state_vs_ddp": [1.0, 1.0], "ranks": [[], []]}
+                "delta_vs_ref": [mean - sum(ref_ppl) / n, 0.0], "global_share_of_ref": [glob / ref_glob, 0.0],
+                "wall_seconds": [1.0, 0.0], "compression_ratio": [None] * n, "model_params": [1] * n,
+                "training_state_bytes": [1] * n, "state_vs_ddp": [1.0] * n, "ranks": [[]] * n}
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     (folder / "ab_configs.json").write_text(json.dumps({
-        "command": "benchmarks/ab_configs.py --workload shakespeare-gpt --seeds 0,1 --method ddp --method ab",
+        "command": f"benchmarks/ab_configs.py --workload shakespeare-gpt --seeds {','.join(map(str, seeds))} "
+                   "--method ddp --method ab",
         "workload": "gpt on Shakespeare", "metric": "test_perplexity",
         "rows": [row("ddp", (4.360, 4.400), 12.0e9), row("ab", (4.343, 4.367), 0.2e9)]}))
 
@@ -87,6 +91,19 @@ def test_a_gpt_report_is_picked_up(tmp_path):
     assert "`shakespeare-gpt` perplexity" in table.splitlines()[0]
     diloco = next(line for line in table.splitlines() if line.startswith("| `diloco` |"))
     assert diloco.endswith("| – | – |")  # no GPT run of diloco: two empty cells
+
+
+def test_a_one_seed_report_calls_nothing_a_tie(tmp_path):
+    """One seed has no spread: the page shows each value alone, says so, and calls no difference a tie."""
+    root = _copy_tree(tmp_path)
+    _fake_gpt(root / "docs" / "results" / "peers-full-shakespeare-gpt", seeds=(0,))
+    reports = rp.load_reports(root)
+    page = rp.results_page(reports)
+    section = page[page.index("## `shakespeare-gpt`"):]
+    assert "| `ab` | 4.343 | 4.343 | −0.017 |" in section and "no spread" in section and "(tie)" not in section
+    table = rp.readme_table(reports)
+    ab = next(line for line in table.splitlines() if line.startswith("| `ab` (defaults) |"))
+    assert "| 4.343 |" in ab and "`shakespeare-gpt`: seed 0 only, no spread" in table
 
 
 def test_check_fails_on_a_stale_page_and_write_fixes_it(tmp_path):
