@@ -13,8 +13,8 @@ import torch
 
 from abtrain.bench import BenchConfig, NetworkModel, parse_method_args, run_bench
 from abtrain.bench import netns
-from abtrain.bench.projection import (collective_seconds, comm_seconds_per_step, epoch_seconds, group_size_of,
-                                      row_group_size)
+from abtrain.bench.projection import (collective_seconds, comm_seconds_per_step, compute_per_step, epoch_seconds,
+                                      group_size_of, row_group_size)
 from abtrain.bench.report import pareto_front, time_to_reach
 from abtrain.bench.workloads import get_workload
 from abtrain.cli import build_parser, main
@@ -57,6 +57,10 @@ def test_bench_end_to_end_with_a_failing_method(tmp_path):
     assert report["pareto_front"] and set(report["pareto_front"]) <= {"ddp", "ab", "localsgd"}
     assert set(report["projection"]["epoch_seconds"]) == {"ddp", "ab", "localsgd"}
     assert report["projection"]["workers"] == [8, 16, 32, 64, 128, 256]
+    for m in ("ddp", "ab", "localsgd"):  # each method's own compute: its wall less its collectives, per step
+        run = json.loads((out / "runs" / m / "results.json").read_text())
+        assert report["projection"]["compute_seconds_per_step"][m] == pytest.approx(
+            max(0.0, run["wall_seconds"] - run["comm"]["seconds"]) / run["steps"])
     from abtrain import __version__
     assert (report["abtrain_version"], report["torch_version"]) == (__version__, torch.__version__)
     assert all(json.loads((out / "runs" / m / "results.json").read_text())["abtrain_version"] == __version__
@@ -130,6 +134,15 @@ def test_pareto_front_and_time_to_reach():
     assert time_to_reach(history, 0.9, "accuracy") == 2.0
     assert time_to_reach(history, 0.95, "accuracy") is None
     assert time_to_reach([{"test_perplexity": 8.0, "wall_seconds": 3.0}], 8.5, "perplexity") == 3.0
+
+
+def test_compute_per_step_is_each_runs_own_with_none_as_the_floor():
+    runs = {"ddp": {"wall_seconds": 30.0, "steps": 10, "comm": {"seconds": 12.0}},   # 1.8 s of own work a step
+            "ab": {"wall_seconds": 40.0, "steps": 10, "comm": {"seconds": 5.0}},     # 3.5 s: decompositions too
+            "fast": {"wall_seconds": 20.0, "steps": 10, "comm": {"seconds": 19.0}}}  # 0.1 s: below none's
+    none = {"wall_seconds": 15.0, "steps": 10, "comm": {"seconds": 0.0}}
+    assert compute_per_step(runs) == pytest.approx({"ddp": 1.8, "ab": 3.5, "fast": 0.1})
+    assert compute_per_step(runs, none) == pytest.approx({"ddp": 1.8, "ab": 3.5, "fast": 1.5})
 
 
 def test_projection_on_hand_computed_numbers():

@@ -117,6 +117,16 @@ def epoch_seconds(results: dict[str, Any], workers: int, model: NetworkModel, co
     return steps * (compute_per_step + comm_seconds_per_step(results, workers, model))
 
 
+def compute_per_step(runs: dict[str, dict[str, Any]], none: dict[str, Any] | None = None) -> dict[str, float]:
+    """Each run's compute per step: its wall time less the time in collectives, so that a method's own work
+    (AB-training's decompositions, PowerSGD's products) counts against it. ``none`` (a run that sends
+    nothing, so its wall time per step is the model's compute alone) is a floor: time inside a collective on
+    an oversubscribed CPU includes work the run would do anyway."""
+    floor = none["wall_seconds"] / max(1, none["steps"]) if none is not None else 0.0
+    return {m: max(floor, max(0.0, r["wall_seconds"] - r["comm"]["seconds"]) / max(1, r["steps"]))
+            for m, r in runs.items()}
+
+
 def project(runs: dict[str, dict[str, Any]], model: NetworkModel, compute_per_step: dict[str, float],
             workers: tuple[int, ...] = DEFAULT_WORKERS) -> dict[str, Any]:
     """Epoch times of every method for each worker count (``{"workers": [...], "seconds": {method: [...]}}``)."""

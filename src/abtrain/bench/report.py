@@ -20,7 +20,7 @@ from .config import BenchConfig
 from .linkbytes import link_check
 from .linkbytes import render as render_links
 from .plots import ordered_phases
-from .projection import project, project_scaled, render_scaled
+from .projection import compute_per_step, project, project_scaled, render_scaled
 from .workloads import Workload
 
 
@@ -153,17 +153,11 @@ def build_report(workload: Workload, cfg: BenchConfig, outcomes: list[Outcome], 
                 row["measured"] = {**o.measured, **check,
                                    "ideal_wire_seconds": check["expected_tx_bytes"] / rate if rate else None}
         rows.append(row)
-    # Compute per step: the `none` run has no communication at all, so its wall time per step is compute
-    # (and evaluation) only; without it, each run's wall time less the time spent in collectives.
-    compute = {}
-    for m, r in done.items():
-        if none is not None:
-            compute[m] = none["wall_seconds"] / max(1, none["steps"])
-        else:
-            compute[m] = max(0.0, r["wall_seconds"] - r["comm"]["seconds"]) / max(1, r["steps"])
+    compute = compute_per_step(done, none)
     projection = project(done, cfg.network_model, compute) if done else None
     if projection is not None:
-        projection["compute_source"] = "none run: wall seconds / steps" if none else "each run: (wall - comm) / steps"
+        projection["compute_source"] = ("each run: (wall - comm) / steps, at least the none run's wall / steps"
+                                        if none else "each run: (wall - comm) / steps")
         projection["description"] = cfg.network_model.describe()
         projection["scaled"] = project_scaled(done, cfg.network_model)
     return {
