@@ -26,8 +26,10 @@ class Progress:
     def step(self, step: int, info: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        # rank 0's own bytes (no collective per step): AB-training's groups send different amounts, so the
+        # evaluation lines give the mean over workers
         text = (f"phase {info['phase']} loss {info['loss']:.4f} "
-                f"wire {human_bytes(info['wire'])} (global {human_bytes(info['global'])})")
+                f"rank 0 wire {human_bytes(info['wire'])} (global {human_bytes(info['global'])})")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(text, refresh=False)
@@ -59,4 +61,4 @@ def eval_line(row: dict[str, Any]) -> str:
         text += f" perplexity {row['test_perplexity']:.2f}"
     if row["train_loss"] is not None:
         text += f" train loss {row['train_loss']:.4f}"
-    return text + f" wire {human_bytes(row['wire_bytes'])}"
+    return text + f" wire {human_bytes(row['wire_bytes'])} per worker (mean)"
