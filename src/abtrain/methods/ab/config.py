@@ -44,6 +44,14 @@ EARLIER_DEFAULTS: dict[str, Any] = {
     "tangent_core": "sum", "powersgd_rank": 8,
 }
 
+#: The last commit whose abtrain has the options of :data:`REMOVED` (``git checkout`` it to rerun an older
+#: note's command that uses one).
+LAST_WITH_REMOVED = "92780e8"
+
+#: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
+#: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
+REMOVED: dict[str, Any] = {"independent": False}
+
 
 @dataclass
 class ABConfig(Options):
@@ -56,6 +64,9 @@ class ABConfig(Options):
     """
 
     section = "ab"
+    removed = REMOVED
+    removed_after = LAST_WITH_REMOVED
+    removed_why = "docs/notebook/2026-12-options-removed.md"
     #: options of which one at most may be given; a config file's is replaced by a flag's (``config.merge``)
     exclusive = (("tau", "rank", "rank_fraction", "energy"),)
 
@@ -77,7 +88,6 @@ class ABConfig(Options):
     truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
     sync: str = opt("only-learned", "how a sync averages the groups into one model", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
-    independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str | None = opt(None, "how W's singular values go into A and B: sqrt, sigma, or tangent (in the factor each group trains); default: tangent with only-learned, else sqrt", choices=SPLITS)

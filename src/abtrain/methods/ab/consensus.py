@@ -34,7 +34,7 @@ class ABConsensus(ABSync, ABDecomposition):
         # Workers differ only while groups train apart: inside an AB phase after its first step.
         if self.phase != "ab" or self.t in (self._switch_step, self._agreed_at):
             return True
-        return self.train_group is self.topo.world and not self.cfg.independent
+        return self.train_group is self.topo.world
 
     @torch.no_grad()
     def agree(self) -> None:

@@ -103,7 +103,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
             return
         self._reduced = True
         if self.phase == "ab":
-            self.overlap.finish()  # idle when the workers train alone (independent)
+            self.overlap.finish()  # idle in groups of one worker
         else:
             reducer = self.plain if self.t < self.cfg.dense_start_steps else self.dense
             reducer.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
@@ -111,7 +111,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
 
     def _watch_gradients(self) -> None:
         """Arm the in-group averaging for the coming step when it is an AB step (its trained tensors may be new)."""
-        in_group = self.phase == "ab" and not self.cfg.independent and self.train_group.size > 1
+        in_group = self.phase == "ab" and self.train_group.size > 1
         if in_group and self.module is not None:
             self.overlap.watch([p for p in self.module.parameters() if p.requires_grad])
         self.overlap.start(self.train_group if in_group else None)

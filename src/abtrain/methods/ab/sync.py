@@ -42,7 +42,7 @@ class ABSync(ABCore):
                      if self.cfg.sync == "only-learned" else {})
             changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
                                      in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
-                                     one_group=self.train_group is self.topo.world and not self.cfg.independent,
+                                     one_group=self.train_group is self.topo.world,
                                      as_change=self._send_as_change(low, bases), compressor=self._compressor,
                                      flush=self.cfg.sync_flush and (last or not self._sched().ab_after(self.t)))
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
