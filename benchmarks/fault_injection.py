@@ -183,7 +183,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
                      "--group-size", "--threads", "--limit-train", "--limit-test", "--checkpoint-every", "--stop-after",
                      "--ab-cycle-steps", "--localsgd-h", "--diloco-h", "--powersgd-rank"]
     positive_floats = ["--lr", "--timeout", "--bucket-cap-mb", "--grad-clip", "--diloco-outer-lr"]
-    unit_interval = ["--momentum", "--label-smoothing", "--ab-tau", "--ab-rank-fraction", "--ab-energy",
+    unit_interval = ["--momentum", "--label-smoothing", "--ab-tau", "--ab-rank-fraction",
                      "--diloco-outer-momentum"]
     out: list[list[str]] = []
     for flag in positive_ints:

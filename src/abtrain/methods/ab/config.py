@@ -50,7 +50,7 @@ LAST_WITH_REMOVED = "92780e8"
 
 #: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
 #: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
-REMOVED: dict[str, Any] = {"independent": False}
+REMOVED: dict[str, Any] = {"independent": False, "energy": None}
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ABConfig(Options):
     removed_after = LAST_WITH_REMOVED
     removed_why = "docs/notebook/2026-12-options-removed.md"
     #: options of which one at most may be given; a config file's is replaced by a flag's (``config.merge``)
-    exclusive = (("tau", "rank", "rank_fraction", "energy"),)
+    exclusive = (("tau", "rank", "rank_fraction"),)
 
     warmup_fraction: float = opt(0.01, "share of the run's steps trained full rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
     cycle_fraction: float = opt(0.015, "share of the run's steps between two syncs (the cycle); --ab-cycle-steps overrides it")
@@ -81,7 +81,6 @@ class ABConfig(Options):
     tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")
     rank: int | None = opt(None, "fixed rank for every factorised layer")
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
-    energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
     min_rank: int = opt(8, "rank floor: no layer is cut below it, and a matrix whose factors at this rank would not be smaller than W stays full rank")
     rank_cap: str = opt("pays", "bound on the rank of every decomposition: pays (factors smaller than W), state (training state within DDP's) or none (the rank rule alone)", choices=RANK_CAPS)
     min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho)")
@@ -174,7 +173,7 @@ class ABConfig(Options):
     def rule(self) -> lowrank.RankRule:
         """The rank rule these options give, built once (when the options are checked)."""
         try:
-            return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction, energy=self.energy)
+            return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction)
         except ValueError as exc:
             raise ValueError(f"AB-training rank rule: {exc}") from None
 
