@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-def factors_compress(m: int, n: int, r: int, min_compression: float = 1.0) -> bool:
-    """True when rank-r factors of an m×n matrix hold fewer than m·n / min_compression numbers: r(m+n) < m·n/ρ."""
-    if min_compression <= 0:
-        raise ValueError(f"min_compression must be > 0, got {min_compression}")
-    return r * (m + n) * min_compression < m * n
+
+def factors_compress(m: int, n: int, r: int) -> bool:
+    """True when rank-r factors of an m×n matrix hold fewer numbers than the matrix: r(m+n) < m·n."""
+    return r * (m + n) < m * n
 
 
 def paying_rank(m: int, n: int) -> int:

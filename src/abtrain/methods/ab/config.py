@@ -50,7 +50,7 @@ LAST_WITH_REMOVED = "92780e8"
 
 #: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
 #: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
-REMOVED: dict[str, Any] = {"independent": False, "energy": None}
+REMOVED: dict[str, Any] = {"independent": False, "energy": None, "min_compression": None}
 
 
 @dataclass
@@ -83,7 +83,6 @@ class ABConfig(Options):
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
     min_rank: int = opt(8, "rank floor: no layer is cut below it, and a matrix whose factors at this rank would not be smaller than W stays full rank")
     rank_cap: str = opt("pays", "bound on the rank of every decomposition: pays (factors smaller than W), state (training state within DDP's) or none (the rank rule alone)", choices=RANK_CAPS)
-    min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho)")
     truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
     sync: str = opt("only-learned", "how a sync averages the groups into one model", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
@@ -141,8 +140,6 @@ class ABConfig(Options):
             self.sync_payload = "lowrank" if tangent_merge else "factors"
         if self.tangent_core is None:
             self.tangent_core = "mean" if tangent_merge else "sum"
-        if self.min_compression is not None and self.min_compression <= 0:
-            raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
         if self.split == "tangent" and self.sync == "with-stale":
             raise ValueError("--ab-split tangent splits W differently in A- and B-groups, and with-stale averages each "
                              "group's untrained factor with the others' trained one: use --ab-sync only-learned "

@@ -61,7 +61,7 @@ class ABConsensus(ABSync, ABDecomposition):
         low = [fp for fp in self.records if fp.name in ranks]
         start = time.perf_counter()
         with torch.profiler.record_function("abtrain::ab::decompose"):
-            self._factorise(low, [ranks[fp.name] for fp in low], [self._svd(fp) for fp in low], optimizer, None)
+            self._factorise(low, [ranks[fp.name] for fp in low], [self._svd(fp) for fp in low], optimizer)
         self.svd_seconds += time.perf_counter() - start
         self._agreed_at = self.t
 
