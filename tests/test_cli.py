@@ -174,7 +174,7 @@ def test_unwritable_run_dir_and_bad_config(tmp_path, fashion_dir):
 
 
 #: A value other than the default for each AB option removed after commit 92780e8 (helpers.OLD_AB_DEFAULTS).
-OLD_AB_SET = {"independent": True, "energy": 0.9, "min_compression": 2.0}
+OLD_AB_SET = {"independent": True, "energy": 0.9, "min_compression": 2.0, "truncate_first": True}
 
 
 def test_removed_options_at_their_old_defaults_are_read_and_ignored(tmp_path):
@@ -259,7 +259,7 @@ FLAGS = {
     "--threads", "--bucket-cap-mb", "--block-size", "--limit-train", "--limit-test", "--timeout", "--ledger",
     "--no-ledger", "--checkpoint-every", "--stop-after", "--max-restarts", "--resume",
     "--ab-warmup-steps", "--ab-cycle-steps", "--ab-rebound-steps", "--ab-tau", "--ab-rank", "--ab-rank-fraction",
-    "--ab-truncate-first", "--no-ab-truncate-first", "--ab-sync",
+    "--ab-sync",
     "--ab-lr-rebound-steps", "--ab-lr-floor", "--ab-split",
     "--ab-optimizer-state", "--ab-init", "--ab-full-rank", "--ab-final-rebound-steps",
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",

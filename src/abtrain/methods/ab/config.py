@@ -50,7 +50,9 @@ LAST_WITH_REMOVED = "92780e8"
 
 #: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
 #: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
-REMOVED: dict[str, Any] = {"independent": False, "energy": None, "min_compression": None}
+REMOVED: dict[str, Any] = {
+    "independent": False, "energy": None, "min_compression": None, "truncate_first": False,
+}
 
 
 @dataclass
@@ -83,7 +85,6 @@ class ABConfig(Options):
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
     min_rank: int = opt(8, "rank floor: no layer is cut below it, and a matrix whose factors at this rank would not be smaller than W stays full rank")
     rank_cap: str = opt("pays", "bound on the rank of every decomposition: pays (factors smaller than W), state (training state within DDP's) or none (the rank rule alone)", choices=RANK_CAPS)
-    truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
     sync: str = opt("only-learned", "how a sync averages the groups into one model", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
     final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")

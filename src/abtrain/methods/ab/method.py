@@ -93,7 +93,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         self._sched()
         self._optimizer = optimizer
         if self.t == 0 and self.phase_at(0) == "ab" and not self.ranks:
-            self._decompose(optimizer, truncate=self.cfg.truncate_first)
+            self._decompose(optimizer, truncate=False)
             self._switch_step = 0
         self._watch_gradients()
 
@@ -174,7 +174,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         if sync:
             self._sync(optimizer)
         if decompose:
-            self._decompose(optimizer, truncate=self.cfg.truncate_first or bool(self.ranks))
+            self._decompose(optimizer, truncate=bool(self.ranks))  # the first decomposition keeps full rank
         self._parts = {}  # W changes at the next step
         if sync or decompose or self.phase_at(self.t) != self.phase_at(self.t - 1):
             self._switch_step = self.t
