@@ -263,18 +263,6 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "tangent-lowrank-bf16": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                               "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_dtype": "bf16"},
                              "sgd", 3 * K, False),
-    # the same with sync_flush in a planned run: its last sync (step 3K, the run's end) sends the change whole
-    "tangent-lowrank-flush": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                               "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_flush": True},
-                              "sgd", 3 * K, True),
-    # the same with the shared part halved: the merge acts on the change each sync delivers, the flush's included
-    "tangent-lowrank-flush-core": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                                    "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
-                                    "sync_flush": True, "tangent_core": "mean"}, "sgd", 3 * K, True),
-    # an unplanned run ending 2 steps into an AB phase: the sync that leaving attach() adds is the last one
-    "tangent-lowrank-flush-end": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                                   "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
-                                   "sync_flush": True}, "sgd", 2 * K + 2, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -648,67 +636,6 @@ def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_la
     arrives is no longer the exact projection of the summed change, and the memories keep the difference, rounding
     included; P and Q take 2 bytes an element."""
     _check_lowrank_syncs(runs["tangent-lowrank-bf16"], q=3, element_bytes=2, projected=False)
-
-
-@pytest.mark.parametrize("config", ["tangent-lowrank-flush", "tangent-lowrank-flush-core"])
-def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs, config):
-    """sync_flush in a planned run: the syncs before the last deliver rank-q changes and keep the rest in the
-    memories; the last one (the run's end) delivers the exact summed change plus the memories' average, empties
-    the memories, and sends m·n numbers a layer where the others send P and Q. With tangent_core="mean" each sync
-    adds D − ½·UUᵀ·D·VVᵀ of what it delivers, D, in its phase's singular vectors U, V: D = added + UUᵀ·added·VVᵀ."""
-    outs = runs[config]
-    o, q = outs[0], 3
-    assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
-    _one_model_after_each_sync(outs, 3)
-    for name in o["syncs"][0]["before"]:
-        left = 0
-        for i in range(3):
-            w_start, shares = _tangent_changes(outs, name, i)
-            total = sum(shares) + left
-            delivered = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
-            if config.endswith("-core"):
-                u, vh = _tangent_basis(outs, name, _phase_start(outs, i))
-                core = u @ (u.T @ delivered @ vh.T) @ vh
-                assert float(core.norm()) > 0.05 * float(delivered.norm())  # the halving changed what was added
-                delivered = delivered + core
-            tol = {"rtol": 1e-4, "atol": 1e-4 * float(total.abs().max())}
-            if i < 2:
-                assert torch.linalg.matrix_rank(delivered, atol=1e-5) <= q
-                left = torch.stack([w["syncs"][i]["memory"][name] for w in outs]).mean(0)
-                torch.testing.assert_close(left, total - delivered, **tol)  # kept for the next sync
-                assert float(left.norm()) > 0.05 * float(total.norm())  # something left for later
-            else:
-                torch.testing.assert_close(delivered, total, **tol)  # everything, the memories included
-                assert all(name not in w["syncs"][i]["memory"] for w in outs)
-    m_n = {name: (m, n) for name, m, n in o["records"]}
-    assert all(q * (m + n) < m * n for m, n in m_n.values())
-    compressed = _sync_payload({**o, "syncs": o["syncs"][:2]}, 4, lambda name, a, b: q * sum(m_n[name]))
-    whole = _sync_payload({**o, "syncs": o["syncs"][2:], "ranks_log": []}, 4,
-                          lambda name, a, b: m_n[name][0] * m_n[name][1])
-    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == compressed + whole
-
-
-def test_lowrank_sync_flush_at_the_end_of_an_unplanned_run(runs):
-    """sync_flush in a run of unknown length: its scheduled syncs stay compressed; the sync that ends the run
-    inside an AB phase (leaving attach()) adds the exact change of its last steps plus the memories' average,
-    the same W on every worker."""
-    outs = runs["tangent-lowrank-flush-end"]
-    o = outs[0]
-    assert [s["step"] for s in o["syncs"]] == [K, 2 * K]
-    assert all(name in w["syncs"][1]["memory"] for w in outs for name in o["syncs"][1]["before"])
-    for name in o["syncs"][1]["before"]:
-        # the factors as the last step left them, before leaving attach() synced them
-        w_start, shares = _tangent_shares(outs, name, 2 * K,
-                                          [(w["steps"][-1]["after"]["A"][name], w["steps"][-1]["after"]["B"][name])
-                                           for w in outs])
-        change = sum(shares)
-        left = torch.stack([w["syncs"][1]["memory"][name] for w in outs]).mean(0)
-        expected = w_start + change + left
-        got = o["final"]["W"][name].reshape(expected.shape)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float((change + left).abs().max()))
-        assert not torch.allclose(got, w_start + change, atol=1e-3)  # the memories were sent too
-        for w in outs[1:]:
-            assert torch.equal(w["final"]["W"][name], o["final"]["W"][name])
 
 
 def _check_lowrank_syncs(outs, q, element_bytes, projected):

@@ -120,25 +120,6 @@ def test_a_warmup_that_fills_the_run_never_decomposes():
     assert s.phase_at(9) == "ab" and s.events(12) == (True, False) and s.phase_at(13) == "ab"
 
 
-def test_ab_after_tells_whether_a_sync_is_still_to_come():
-    # warm-up 2, K = 4, F = 1, the last 2 of 10 steps full rank: AB steps 2-3, 5-7; the sync at 8 is the last
-    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1, final_rebound_steps=2), 10)
-    assert [t for t in range(1, 11) if s.events(t)[0]] == [4, 8]
-    assert s.ab_after(4) and not s.ab_after(8) and not s.ab_after(10)
-    # without the final rebound the run ends inside an AB phase: the sync that ends it is still to come
-    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1), 10)
-    assert s.ab_after(8) and not s.ab_after(10)
-    # a run of unknown length: always
-    assert Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1), None).ab_after(10**6)
-    # it looks one cycle ahead: the same answer as scanning every step left, on schedules of every shape
-    for warmup, cycle, rebound, final, total in [(2, 4, 1, 2, 10), (0, 3, 2, 0, 11), (5, 4, 0, 7, 20),
-                                                 (3, 5, 4, 6, 23), (10, 4, 1, 0, 10), (4, 6, 2, 9, 17)]:
-        s = Schedule.from_config(ABConfig(warmup_steps=warmup, cycle_steps=cycle, rebound_steps=rebound,
-                                          final_rebound_steps=final), total)
-        for t in range(total + 2):
-            assert s.ab_after(t) == any(s.phase_at(x) == "ab" for x in range(t, total)), (warmup, cycle, t)
-
-
 def test_schedule_without_budget_is_refused_with_what_to_do():
     method = ABTraining(Communicator(), Topology(), ABConfig(sync="only-b"))
     model = method.prepare(nn.Sequential(nn.Linear(4, 32), nn.Linear(32, 32), nn.Linear(32, 2)))

@@ -130,7 +130,6 @@ BAD = [
     (["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"], "choose one rank rule"),
     (["--method", "ab", "--group-size", "1", "--ab-split", "tangent", "--ab-sync", "with-stale"],
      "use --ab-sync only-learned"),
-    (["--method", "ab", "--group-size", "1", "--ab-split", "sqrt", "--ab-sync-flush"], "needs --ab-sync-payload lowrank"),
     (["--method", "ab", "--group-size", "1", "--ab-sync-payload", "factors", "--ab-svd", "update"],
      "use it with --ab-sync-payload lowrank"),
     (["--method", "ab", "--group-size", "1", "--ab-split", "sqrt", "--ab-tangent-core", "mean"],
@@ -174,7 +173,8 @@ def test_unwritable_run_dir_and_bad_config(tmp_path, fashion_dir):
 
 
 #: A value other than the default for each AB option removed after commit 92780e8 (helpers.OLD_AB_DEFAULTS).
-OLD_AB_SET = {"independent": True, "energy": 0.9, "min_compression": 2.0, "truncate_first": True}
+OLD_AB_SET = {"independent": True, "energy": 0.9, "min_compression": 2.0, "truncate_first": True,
+              "sync_flush": True}
 
 
 def test_removed_options_at_their_old_defaults_are_read_and_ignored(tmp_path):
@@ -265,7 +265,7 @@ FLAGS = {
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-dense-start-steps", "--ab-powersgd-rank",
     "--ab-powersgd-dtype",
-    "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank", "--ab-sync-flush", "--no-ab-sync-flush",
+    "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank",
     "--ab-tangent-core", "--ab-svd", "--ab-rank-cap", "--ab-sync-moments", "--no-ab-sync-moments",
     "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",

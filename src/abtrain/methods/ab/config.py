@@ -51,7 +51,7 @@ LAST_WITH_REMOVED = "92780e8"
 #: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
 #: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
 REMOVED: dict[str, Any] = {
-    "independent": False, "energy": None, "min_compression": None, "truncate_first": False,
+    "independent": False, "energy": None, "min_compression": None, "truncate_first": False, "sync_flush": False,
 }
 
 
@@ -93,7 +93,6 @@ class ABConfig(Options):
     sync_payload: str | None = opt(None, "what an only-learned sync sends per low-rank layer: factors, smaller (of factors and W's change) or lowrank; default: lowrank with tangent, else factors", choices=SYNC_PAYLOADS)
     tangent_core: str | None = opt(None, "how the tangent merge counts the part of the groups' changes both can make: sum or mean; default: mean with tangent and only-learned, else sum", choices=tuple(TANGENT_CORES))
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank")
-    sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed change whole, with what its error memory holds")
     svd: str = opt("full", "how the decomposition after a sync finds W's SVD: full, or update (from the parts a --ab-sync-payload lowrank sync leaves)", choices=SVD_MODES)
     sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
@@ -156,9 +155,6 @@ class ABConfig(Options):
         if self.svd == "update" and self.sync_payload != "lowrank":
             raise ValueError("--ab-svd update takes W's SVD from the rank-q change that --ab-sync-payload lowrank "
                              f"sends: use it with --ab-sync-payload lowrank (got {self.sync_payload})")
-        if self.sync_flush and self.sync_payload != "lowrank":
-            raise ValueError("--ab-sync-flush sends what the error memories of --ab-sync-payload lowrank hold; "
-                             f"it needs --ab-sync-payload lowrank (got {self.sync_payload})")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
 

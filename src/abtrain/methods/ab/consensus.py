@@ -68,7 +68,7 @@ class ABConsensus(ABSync, ABDecomposition):
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         """End inside an AB phase with a last sync, so that every worker holds the same full-rank model."""
         if not self.in_consensus():
-            self._sync(optimizer, last=True)
+            self._sync(optimizer)
             self._parts = {}  # no decomposition follows
             self._switch_step = self.t
         elif self._bases and self.phase == "ab":

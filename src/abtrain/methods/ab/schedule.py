@@ -79,15 +79,6 @@ class Schedule:
         sync = before == "ab" and (after != "ab" or (t % self.cycle_steps == 0 and t > self.warmup))
         return sync, after == "ab" and (before != "ab" or sync)
 
-    def ab_after(self, t: int) -> bool:
-        """Whether an AB step, hence a sync, follows step ``t`` (True when the run's length is unknown)."""
-        if self.total is None:
-            return True
-        # after the warm-up every cycle holds an AB step (rebound < cycle_steps) unless the final rebound covers
-        # it, and that runs to the end: one cycle past the warm-up tells
-        start = max(t, self.warmup)
-        return any(self.phase_at(s) == "ab" for s in range(start, min(self.total, start + self.cycle_steps)))
-
     def syncs(self) -> int:
         """Syncs in the whole run (needs ``total``): the scheduled ones, the one after the last step included,
         and the last sync that ends a run inside an AB phase (every worker leaves with one model)."""
