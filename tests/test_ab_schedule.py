@@ -114,7 +114,7 @@ def test_a_warmup_that_fills_the_run_never_decomposes():
     assert all(s.events(t) == (False, False) for t in range(1, 15))
     assert {s.phase_at(t) for t in range(15)} == {"warmup"}
     # a full-rank last phase goes on past the budget; an AB phase keeps its cycles
-    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1, final_rebound_steps=2), 10)
+    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=2), 10)  # a sync at 8, then F
     assert s.phase_at(9) == "rebound" and {s.phase_at(t) for t in range(10, 20)} == {"rebound"}
     s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1), 10)
     assert s.phase_at(9) == "ab" and s.events(12) == (True, False) and s.phase_at(13) == "ab"

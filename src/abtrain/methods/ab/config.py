@@ -52,6 +52,7 @@ LAST_WITH_REMOVED = "92780e8"
 #: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
 REMOVED: dict[str, Any] = {
     "independent": False, "energy": None, "min_compression": None, "truncate_first": False, "sync_flush": False,
+    "final_rebound_steps": 0,
 }
 
 
@@ -87,7 +88,6 @@ class ABConfig(Options):
     rank_cap: str = opt("pays", "bound on the rank of every decomposition: pays (factors smaller than W), state (training state within DDP's) or none (the rank rule alone)", choices=RANK_CAPS)
     sync: str = opt("only-learned", "how a sync averages the groups into one model", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
-    final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str | None = opt(None, "how W's singular values go into A and B: sqrt, sigma, or tangent (in the factor each group trains); default: tangent with only-learned, else sqrt", choices=SPLITS)
     sync_payload: str | None = opt(None, "what an only-learned sync sends per low-rank layer: factors, smaller (of factors and W's change) or lowrank; default: lowrank with tangent, else factors", choices=SYNC_PAYLOADS)
@@ -108,7 +108,7 @@ class ABConfig(Options):
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
     def check(self) -> None:
-        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps", "dense_start_steps"):
+        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "dense_start_steps"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")

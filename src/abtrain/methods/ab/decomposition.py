@@ -75,7 +75,7 @@ class ABDecomposition(ABCore):
         self._keep_bases(records, svds)
         self.note_state_change()
         sched = self._sched()
-        if sched.rebound == 0 and sched.final_rebound == 0:
+        if sched.rebound == 0:
             # No full-rank step follows: W's optimizer state (from the warm-up) would never be read again.
             # A layer that later trains W again starts its moments afresh.
             lowrank.reset_state(optimizer, [fp.weight for fp in records if fp.mode == "lowrank"])

@@ -198,7 +198,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
             "ranks": self.ranks,
             "phases": sched.ranges(self.t),
             "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps, "rebound_steps": sched.rebound,
-                         "lr_rebound_steps": sched.lr_rebound, "final_rebound_steps": sched.final_rebound},
+                         "lr_rebound_steps": sched.lr_rebound},
             "kept_output_layers": self.kept,
             "svd_seconds": self.svd_seconds,
             "svd_counts": dict(self.svd_counts),
