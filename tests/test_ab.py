@@ -15,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm.communicator import Communicator
 from abtrain.comm.topology import Topology
-from abtrain.compress.powersgd import PowerSGDReducer
 from abtrain.config import merge
 from abtrain.methods.ab import PAPER, ABConfig, ABTraining
 from helpers import run_world
@@ -271,9 +270,6 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "no-sync-moments": ({"rank_fraction": 0.25, "sync_moments": False}, "sgd", T_W + K, False),
     # abtrain's defaults end to end, planned, the run ending with a sync on its last step (3K)
     "defaults": ({"defaults": True}, "sgd", 3 * K, True),
-    # the first 2 warm-up steps in fp32, the third through rank-4 PowerSGD
-    "dense-start": ({"rank_fraction": 0.25, "dense_comm": "powersgd", "powersgd_rank": 4, "dense_start_steps": 2},
-                    "sgd", T_W, False),
     "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
     "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
 }
@@ -367,32 +363,6 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     # sync: r(m+n) per factorised layer + everything kept full rank (and its optimizer moments)
     # + float buffers, over all workers
     assert by_phase["sync"]["payload_bytes"] == _sync_payload(o, 4, _factors)
-
-
-def test_dense_start_steps_send_the_first_gradients_whole_then_powersgd(runs):
-    """dense_start_steps=2: the first two warm-up steps all-reduce every gradient in fp32, the third sends
-    PowerSGD's P and Q (m+n)·r for each matrix it compresses; every worker holds the same parameters after each
-    step."""
-    outs = runs["dense-start"]
-    o = outs[0]
-    grads = [v for part in ("W", "other") for v in o["steps"][0]["before"][part].values()]  # every full-rank one
-    whole = 4 * sum(v.numel() for v in grads)
-    rank_for = PowerSGDReducer(None, rank=4).rank_for
-
-    def sent(v):
-        m, n = v.shape[0], v.numel() // v.shape[0]
-        r = rank_for(m, n) if v.ndim > 1 else None
-        return (m + n) * r if r else v.numel()
-
-    compressed = 4 * sum(sent(v) for v in grads)
-    assert compressed < whole
-    totals = [step["warmup"]["payload_bytes"] for step in o["ledger_by_step"]]
-    assert [totals[0], totals[1] - totals[0], totals[2] - totals[1]] == [whole, whole, compressed]
-    for i in range(T_W):  # the parameters (BatchNorm's running statistics stay each worker's own until a sync)
-        ref = {k: v for k, v in _tensors(o["steps"][i]["after"]).items() if k[0] in ("W", "other")}
-        for w in outs[1:]:
-            held = _tensors(w["steps"][i]["after"])
-            assert all(torch.equal(held[k], v) for k, v in ref.items()), i
 
 
 def test_ranks_agree_and_follow_the_rule(runs):

@@ -174,7 +174,7 @@ def test_unwritable_run_dir_and_bad_config(tmp_path, fashion_dir):
 
 #: A value other than the default for each AB option removed after commit 92780e8 (helpers.OLD_AB_DEFAULTS).
 OLD_AB_SET = {"independent": True, "energy": 0.9, "min_compression": 2.0, "truncate_first": True,
-              "sync_flush": True, "final_rebound_steps": 3}
+              "sync_flush": True, "final_rebound_steps": 3, "dense_start_steps": 2}
 
 
 def test_removed_options_at_their_old_defaults_are_read_and_ignored(tmp_path):
@@ -263,7 +263,7 @@ FLAGS = {
     "--ab-lr-rebound-steps", "--ab-lr-floor", "--ab-split",
     "--ab-optimizer-state", "--ab-init", "--ab-full-rank",
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
-    "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-dense-start-steps", "--ab-powersgd-rank",
+    "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank",
     "--ab-powersgd-dtype",
     "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank",
     "--ab-tangent-core", "--ab-svd", "--ab-rank-cap", "--ab-sync-moments", "--no-ab-sync-moments",

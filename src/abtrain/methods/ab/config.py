@@ -52,7 +52,7 @@ LAST_WITH_REMOVED = "92780e8"
 #: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
 REMOVED: dict[str, Any] = {
     "independent": False, "energy": None, "min_compression": None, "truncate_first": False, "sync_flush": False,
-    "final_rebound_steps": 0,
+    "final_rebound_steps": 0, "dense_start_steps": 0,
 }
 
 
@@ -99,7 +99,6 @@ class ABConfig(Options):
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, or powersgd (--ab-powersgd-rank)", choices=DENSE_REDUCERS)
-    dense_start_steps: int = opt(0, "warm-up and rebound steps among the run's first N average their gradients whole, in fp32, before --ab-dense-comm takes over")
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync's payload on the wire; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
@@ -108,7 +107,7 @@ class ABConfig(Options):
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
     def check(self) -> None:
-        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "dense_start_steps"):
+        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")

@@ -105,9 +105,8 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         if self.phase == "ab":
             self.overlap.finish()  # idle in groups of one worker
         else:
-            reducer = self.plain if self.t < self.cfg.dense_start_steps else self.dense
-            reducer.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
-                           self.topo.world)
+            self.dense.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
+                              self.topo.world)
 
     def _watch_gradients(self) -> None:
         """Arm the in-group averaging for the coming step when it is an AB step (its trained tensors may be new)."""
