@@ -183,7 +183,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
                      "--group-size", "--threads", "--limit-train", "--limit-test", "--checkpoint-every", "--stop-after",
                      "--ab-cycle-steps", "--localsgd-h", "--diloco-h", "--powersgd-rank"]
     positive_floats = ["--lr", "--timeout", "--bucket-cap-mb", "--grad-clip", "--diloco-outer-lr"]
-    unit_interval = ["--momentum", "--label-smoothing", "--ab-tau", "--ab-rank-fraction", "--ab-energy",
+    unit_interval = ["--momentum", "--label-smoothing", "--ab-tau", "--ab-rank-fraction",
                      "--diloco-outer-momentum"]
     out: list[list[str]] = []
     for flag in positive_ints:
@@ -198,7 +198,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
     out += [base + [flag] for flag in ("--lerning-rate", "--ab", "--resume-from", "--worker", "-x")]
     out += [base + [flag, v] for flag in ("--weight-decay", "--warmup-lr-steps", "--max-restarts", "--ab-warmup-steps",
                                           "--ab-rebound-steps", "--ab-lr-rebound-steps", "--ab-lr-floor",
-                                          "--ab-min-compression", "--powersgd-start-iter",
+                                          "--powersgd-start-iter",
                                           "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon")
             for v in ("-1", "abc", "nan")]
     huge = "99999999999999999999"

@@ -16,6 +16,13 @@ import torch
 import torch.multiprocessing as mp
 
 
+#: What a run directory's config.json held, at commit 92780e8, for the AB options removed after it: their
+#: defaults (a run directory written then lists every option of its time).
+OLD_AB_DEFAULTS: dict[str, Any] = {"independent": False, "energy": None, "min_compression": None,
+                                   "truncate_first": False, "sync_flush": False, "final_rebound_steps": 0,
+                                   "dense_start_steps": 0}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

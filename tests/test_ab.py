@@ -15,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from abtrain.comm.communicator import Communicator
 from abtrain.comm.topology import Topology
-from abtrain.compress.powersgd import PowerSGDReducer
 from abtrain.config import merge
 from abtrain.methods.ab import PAPER, ABConfig, ABTraining
 from helpers import run_world
@@ -263,18 +262,6 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "tangent-lowrank-bf16": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                               "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_dtype": "bf16"},
                              "sgd", 3 * K, False),
-    # the same with sync_flush in a planned run: its last sync (step 3K, the run's end) sends the change whole
-    "tangent-lowrank-flush": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                               "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_flush": True},
-                              "sgd", 3 * K, True),
-    # the same with the shared part halved: the merge acts on the change each sync delivers, the flush's included
-    "tangent-lowrank-flush-core": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                                    "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
-                                    "sync_flush": True, "tangent_core": "mean"}, "sgd", 3 * K, True),
-    # an unplanned run ending 2 steps into an AB phase: the sync that leaving attach() adds is the last one
-    "tangent-lowrank-flush-end": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                                   "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
-                                   "sync_flush": True}, "sgd", 2 * K + 2, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
     "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
@@ -283,13 +270,8 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "no-sync-moments": ({"rank_fraction": 0.25, "sync_moments": False}, "sgd", T_W + K, False),
     # abtrain's defaults end to end, planned, the run ending with a sync on its last step (3K)
     "defaults": ({"defaults": True}, "sgd", 3 * K, True),
-    # the first 2 warm-up steps in fp32, the third through rank-4 PowerSGD
-    "dense-start": ({"rank_fraction": 0.25, "dense_comm": "powersgd", "powersgd_rank": 4, "dense_start_steps": 2},
-                    "sgd", T_W, False),
     "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
     "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
-    # AB from step 14 to 16, then the last 3 steps full-rank DP after a sync at step 17
-    "final-rebound": ({"rank_fraction": 0.25, "final_rebound_steps": 3}, "sgd", 20, True),
 }
 
 
@@ -381,32 +363,6 @@ def test_bytes_per_phase_match_the_formulas(with_stale):
     # sync: r(m+n) per factorised layer + everything kept full rank (and its optimizer moments)
     # + float buffers, over all workers
     assert by_phase["sync"]["payload_bytes"] == _sync_payload(o, 4, _factors)
-
-
-def test_dense_start_steps_send_the_first_gradients_whole_then_powersgd(runs):
-    """dense_start_steps=2: the first two warm-up steps all-reduce every gradient in fp32, the third sends
-    PowerSGD's P and Q (m+n)·r for each matrix it compresses; every worker holds the same parameters after each
-    step."""
-    outs = runs["dense-start"]
-    o = outs[0]
-    grads = [v for part in ("W", "other") for v in o["steps"][0]["before"][part].values()]  # every full-rank one
-    whole = 4 * sum(v.numel() for v in grads)
-    rank_for = PowerSGDReducer(None, rank=4).rank_for
-
-    def sent(v):
-        m, n = v.shape[0], v.numel() // v.shape[0]
-        r = rank_for(m, n) if v.ndim > 1 else None
-        return (m + n) * r if r else v.numel()
-
-    compressed = 4 * sum(sent(v) for v in grads)
-    assert compressed < whole
-    totals = [step["warmup"]["payload_bytes"] for step in o["ledger_by_step"]]
-    assert [totals[0], totals[1] - totals[0], totals[2] - totals[1]] == [whole, whole, compressed]
-    for i in range(T_W):  # the parameters (BatchNorm's running statistics stay each worker's own until a sync)
-        ref = {k: v for k, v in _tensors(o["steps"][i]["after"]).items() if k[0] in ("W", "other")}
-        for w in outs[1:]:
-            held = _tensors(w["steps"][i]["after"])
-            assert all(torch.equal(held[k], v) for k, v in ref.items()), i
 
 
 def test_ranks_agree_and_follow_the_rule(runs):
@@ -650,67 +606,6 @@ def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_la
     _check_lowrank_syncs(runs["tangent-lowrank-bf16"], q=3, element_bytes=2, projected=False)
 
 
-@pytest.mark.parametrize("config", ["tangent-lowrank-flush", "tangent-lowrank-flush-core"])
-def test_lowrank_sync_flush_delivers_every_change_at_the_runs_last_sync(runs, config):
-    """sync_flush in a planned run: the syncs before the last deliver rank-q changes and keep the rest in the
-    memories; the last one (the run's end) delivers the exact summed change plus the memories' average, empties
-    the memories, and sends m·n numbers a layer where the others send P and Q. With tangent_core="mean" each sync
-    adds D − ½·UUᵀ·D·VVᵀ of what it delivers, D, in its phase's singular vectors U, V: D = added + UUᵀ·added·VVᵀ."""
-    outs = runs[config]
-    o, q = outs[0], 3
-    assert [s["step"] for s in o["syncs"]] == [K, 2 * K, 3 * K]
-    _one_model_after_each_sync(outs, 3)
-    for name in o["syncs"][0]["before"]:
-        left = 0
-        for i in range(3):
-            w_start, shares = _tangent_changes(outs, name, i)
-            total = sum(shares) + left
-            delivered = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
-            if config.endswith("-core"):
-                u, vh = _tangent_basis(outs, name, _phase_start(outs, i))
-                core = u @ (u.T @ delivered @ vh.T) @ vh
-                assert float(core.norm()) > 0.05 * float(delivered.norm())  # the halving changed what was added
-                delivered = delivered + core
-            tol = {"rtol": 1e-4, "atol": 1e-4 * float(total.abs().max())}
-            if i < 2:
-                assert torch.linalg.matrix_rank(delivered, atol=1e-5) <= q
-                left = torch.stack([w["syncs"][i]["memory"][name] for w in outs]).mean(0)
-                torch.testing.assert_close(left, total - delivered, **tol)  # kept for the next sync
-                assert float(left.norm()) > 0.05 * float(total.norm())  # something left for later
-            else:
-                torch.testing.assert_close(delivered, total, **tol)  # everything, the memories included
-                assert all(name not in w["syncs"][i]["memory"] for w in outs)
-    m_n = {name: (m, n) for name, m, n in o["records"]}
-    assert all(q * (m + n) < m * n for m, n in m_n.values())
-    compressed = _sync_payload({**o, "syncs": o["syncs"][:2]}, 4, lambda name, a, b: q * sum(m_n[name]))
-    whole = _sync_payload({**o, "syncs": o["syncs"][2:], "ranks_log": []}, 4,
-                          lambda name, a, b: m_n[name][0] * m_n[name][1])
-    assert o["summary"]["by_phase"]["sync"]["payload_bytes"] == compressed + whole
-
-
-def test_lowrank_sync_flush_at_the_end_of_an_unplanned_run(runs):
-    """sync_flush in a run of unknown length: its scheduled syncs stay compressed; the sync that ends the run
-    inside an AB phase (leaving attach()) adds the exact change of its last steps plus the memories' average,
-    the same W on every worker."""
-    outs = runs["tangent-lowrank-flush-end"]
-    o = outs[0]
-    assert [s["step"] for s in o["syncs"]] == [K, 2 * K]
-    assert all(name in w["syncs"][1]["memory"] for w in outs for name in o["syncs"][1]["before"])
-    for name in o["syncs"][1]["before"]:
-        # the factors as the last step left them, before leaving attach() synced them
-        w_start, shares = _tangent_shares(outs, name, 2 * K,
-                                          [(w["steps"][-1]["after"]["A"][name], w["steps"][-1]["after"]["B"][name])
-                                           for w in outs])
-        change = sum(shares)
-        left = torch.stack([w["syncs"][1]["memory"][name] for w in outs]).mean(0)
-        expected = w_start + change + left
-        got = o["final"]["W"][name].reshape(expected.shape)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float((change + left).abs().max()))
-        assert not torch.allclose(got, w_start + change, atol=1e-3)  # the memories were sent too
-        for w in outs[1:]:
-            assert torch.equal(w["final"]["W"][name], o["final"]["W"][name])
-
-
 def _check_lowrank_syncs(outs, q, element_bytes, projected):
     """Three lowrank syncs: one model on every worker after each, rank ≤ q added to W, the workers' memories
     averaging to what the sync left out of the summed change plus the memories before it, and the sync's bytes
@@ -832,20 +727,6 @@ def test_only_b_in_groups_trains_b_inside_groups_and_averages_it_at_sync(runs):
 def test_single_group_is_refused():
     with pytest.raises(ValueError, match="at least 2 groups"):
         ABTraining(Communicator(), Topology(rank=0, world_size=2, local_world_size=2), ABConfig())
-
-
-def test_final_rebound_ends_full_rank_inside_the_budget(runs):
-    steps = CONFIGS["final-rebound"][2]
-    outs = runs["final-rebound"]
-    for o in outs:
-        assert [s["step"] for s in o["syncs"]] == [K, 2 * K, steps - 3]  # no extra sync when leaving attach
-        assert [s["phase"] for s in o["steps"][-3:]] == ["rebound"] * 3
-        assert all(mode == "full" for mode in o["steps"][-1]["modes"].values())
-    # one model everywhere (BatchNorm statistics are averaged by sync_buffers() before evaluation)
-    for (kind, name), v in _tensors(outs[0]["steps"][-1]["after"]).items():
-        if kind != "buffers" or not v.is_floating_point():  # the step counters agree too
-            for o in outs[1:]:
-                assert torch.equal(_tensors(o["steps"][-1]["after"])[kind, name], v), name
 
 
 def _ddp_wrapped(topo):

@@ -14,6 +14,7 @@ import torch
 
 from abtrain.cli import build_parser, main
 from abtrain.run.results import human_bytes
+from helpers import OLD_AB_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -129,7 +130,6 @@ BAD = [
     (["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"], "choose one rank rule"),
     (["--method", "ab", "--group-size", "1", "--ab-split", "tangent", "--ab-sync", "with-stale"],
      "use --ab-sync only-learned"),
-    (["--method", "ab", "--group-size", "1", "--ab-split", "sqrt", "--ab-sync-flush"], "needs --ab-sync-payload lowrank"),
     (["--method", "ab", "--group-size", "1", "--ab-sync-payload", "factors", "--ab-svd", "update"],
      "use it with --ab-sync-payload lowrank"),
     (["--method", "ab", "--group-size", "1", "--ab-split", "sqrt", "--ab-tangent-core", "mean"],
@@ -172,6 +172,60 @@ def test_unwritable_run_dir_and_bad_config(tmp_path, fashion_dir):
     assert p.returncode == 2 and "must be an integer" in p.stderr
 
 
+#: A value other than the default for each AB option removed after commit 92780e8 (helpers.OLD_AB_DEFAULTS).
+OLD_AB_SET = {"independent": True, "energy": 0.9, "min_compression": 2.0, "truncate_first": True,
+              "sync_flush": True, "final_rebound_steps": 3, "dense_start_steps": 2}
+
+
+def test_removed_options_at_their_old_defaults_are_read_and_ignored(tmp_path):
+    from abtrain.cli import config_from_args
+    from abtrain.config import TrainConfig
+    toml = tmp_path / "old.toml"
+    toml.write_text("[ab]\ntau = 0.1\n" + "".join(f"{k.replace('_', '-')} = {json.dumps(v)}\n"
+                                                   for k, v in OLD_AB_DEFAULTS.items() if v is not None))
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(toml)]))
+    assert cfg.ab.tau == 0.1 and not set(OLD_AB_DEFAULTS) & set(cfg.to_dict()["ab"])
+    flat = tmp_path / "flat.toml"  # the prefixed spelling of the same keys
+    flat.write_text("".join(f"ab-{k.replace('_', '-')} = {json.dumps(v)}\n"
+                            for k, v in OLD_AB_DEFAULTS.items() if v is not None))
+    assert config_from_args(build_parser().parse_args(["train", "--config", str(flat)])).ab.tau == 0.05
+    # a config.json written before the removal lists every option, these at their defaults (nulls included)
+    old = TrainConfig().to_dict()
+    old["ab"].update(OLD_AB_DEFAULTS)
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(old))
+    assert TrainConfig.from_dict(json.loads(saved.read_text())).to_dict() == TrainConfig().to_dict()
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(saved)]))
+    assert cfg.to_dict() == TrainConfig().to_dict()
+
+
+@pytest.mark.parametrize("name", sorted(OLD_AB_SET))
+def test_removed_options_set_otherwise_are_refused_naming_the_commit(tmp_path, fashion_dir, capsys, name):
+    from abtrain.methods.ab.config import LAST_WITH_REMOVED
+    flag = "--ab-" + name.replace("_", "-")
+    value = OLD_AB_SET[name]
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[ab]\n{name.replace('_', '-')} = {json.dumps(value)}\n")
+    stopped = tmp_path / "old-run"  # a run directory of an earlier abtrain that set the option
+    stopped.mkdir()
+    from abtrain.config import TrainConfig
+    old = TrainConfig(data_dir=str(fashion_dir), out=str(stopped)).to_dict()
+    old["ab"].update({**OLD_AB_DEFAULTS, name: value})
+    (stopped / "config.json").write_text(json.dumps(old))
+    given = [flag] if isinstance(value, bool) else [flag, str(value)]
+    for args, where in ((["--config", str(toml)], f"config file {toml} sets it to {value!r}"),
+                        (given, "given on the command line"),
+                        (["--resume", str(stopped)], f"{stopped / 'config.json'} sets it to {value!r}")):
+        try:
+            code = main(["train", "--data-dir", str(fashion_dir), *args] if "--resume" not in args else ["train", *args])
+        except SystemExit as exc:
+            code = exc.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (args, lines)
+        assert lines[0].startswith(f"abtrain: error: {flag} was removed from abtrain ({where})"), lines[0]
+        assert f"commit {LAST_WITH_REMOVED}" in lines[0] and "2026-12-options-removed.md" in lines[0]
+
+
 def test_corrupt_dataset_is_reported(tmp_path, fashion_dir):
     bad = tmp_path / "corrupt"
     shutil.copytree(fashion_dir, bad)
@@ -205,13 +259,13 @@ FLAGS = {
     "--threads", "--bucket-cap-mb", "--block-size", "--limit-train", "--limit-test", "--timeout", "--ledger",
     "--no-ledger", "--checkpoint-every", "--stop-after", "--max-restarts", "--resume",
     "--ab-warmup-steps", "--ab-cycle-steps", "--ab-rebound-steps", "--ab-tau", "--ab-rank", "--ab-rank-fraction",
-    "--ab-energy", "--ab-min-compression", "--ab-truncate-first", "--no-ab-truncate-first", "--ab-sync",
-    "--ab-independent", "--no-ab-independent", "--ab-lr-rebound-steps", "--ab-lr-floor", "--ab-split",
-    "--ab-optimizer-state", "--ab-init", "--ab-full-rank", "--ab-final-rebound-steps",
+    "--ab-sync",
+    "--ab-lr-rebound-steps", "--ab-lr-floor", "--ab-split",
+    "--ab-optimizer-state", "--ab-init", "--ab-full-rank",
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
-    "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-dense-start-steps", "--ab-powersgd-rank",
+    "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank",
     "--ab-powersgd-dtype",
-    "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank", "--ab-sync-flush", "--no-ab-sync-flush",
+    "--ab-sync-dtype", "--ab-sync-payload", "--ab-sync-rank",
     "--ab-tangent-core", "--ab-svd", "--ab-rank-cap", "--ab-sync-moments", "--no-ab-sync-moments",
     "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from abtrain.cli import build_parser, config_from_args
 from abtrain.config import SECTIONS, TrainConfig, config_fields, section_fields
+from abtrain.methods.ab.config import REMOVED
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -71,7 +72,8 @@ def test_cli_arguments_accept_or_refuse_cleanly(argv):
         assert str(exc) and "\n" not in str(exc)
 
 
-toml_keys = st.sampled_from([f.name.replace("_", "-") for f in config_fields()] + ["lerning-rate", "ab-tau", "ab"])
+toml_keys = st.sampled_from([f.name.replace("_", "-") for f in config_fields()] + ["lerning-rate", "ab-tau", "ab"]
+                            + ["ab-" + name.replace("_", "-") for name in REMOVED])  # removed: ignored or refused
 toml_values = st.one_of(st.integers(-3, 10**6), st.floats(allow_nan=True), st.booleans(), st.text(max_size=5),
                         st.just("[1, 2]"))
 

@@ -24,7 +24,24 @@ if TYPE_CHECKING:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
-        self.exit(2, f"abtrain: error: {message} (see '{self.prog} --help')\n")
+        line = _removed_flag(message) or f"{message} (see '{self.prog} --help')"
+        self.exit(2, f"abtrain: error: {line}\n")
+
+
+def _removed_flag(message: str) -> str | None:
+    """For argparse's "unrecognized arguments" that hold a removed option's flag: the line that says so."""
+    from .methods import registry
+    head = "unrecognized arguments: "
+    if not message.startswith(head):
+        return None
+    for token in message[len(head):].split():
+        for spec in registry.with_options():
+            prefix = spec.section.replace("_", "-")
+            for name in spec.options.removed:  # type: ignore[union-attr]
+                dashed = name.replace("_", "-")
+                if token.split("=")[0] in (f"--{prefix}-{dashed}", f"--no-{prefix}-{dashed}"):
+                    return spec.options.removed_message(name, "given on the command line")  # type: ignore[union-attr]
+    return None
 
 
 def _choices(f) -> Sequence[str] | None:
@@ -211,7 +228,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
     saved["out"] = run_dir  # where the run is now (a copied or moved run directory writes its new path)
     saved.update({k: getattr(ns, k) for k in given})
     try:
-        return TrainConfig.from_dict(saved)
+        return TrainConfig.from_dict(saved, path)
     except TypeError as exc:
         raise ValueError(f"{path} does not hold a valid configuration: {exc}") from None
 

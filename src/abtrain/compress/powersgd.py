@@ -179,11 +179,6 @@ class PowerSGDReducer(Reducer):
         factors, self._factors = self._factors, {}
         return factors
 
-    def take_error(self, name: str) -> torch.Tensor | None:
-        """What this worker's reductions of ``name`` have not delivered yet (in the scale its tensors were
-        handed in), removed from the memory: the caller now sends it some other way."""
-        return self.errors.pop(name, None)
-
     def _reduce_first(self, first: torch.Tensor, p_numel: int, riders: list[torch.Tensor], group: Group) -> None:
         """Sum the Ps (orthonormalised next) and average the uncompressed ``riders`` in one collective.
 

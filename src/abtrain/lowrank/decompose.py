@@ -11,7 +11,6 @@ from torch import Tensor, nn
 
 from .layers import Factor, FactorizedParam, Split, release_weight, replace_data, restore_weight, set_mode
 from .optimizer_state import map_state, resize_state
-from .ranks import factors_compress
 
 logger = logging.getLogger(__name__)
 
@@ -210,41 +209,23 @@ def decompose_all(
     ranks: Sequence[int | None],
     svds: Sequence[SVD] | None = None,
     *,
-    min_compression: float | None = 1.0,
     split: Split = "sqrt",
     sigma_in: Factor = "A",
     optimizer: torch.optim.Optimizer | None = None,
     moments_against: dict[str, tuple[Factor, Tensor]] | None = None,
     frozen_orthonormal: bool = False,
-) -> list[bool]:
-    """Decompose each record at its (already agreed) rank where it pays; return which were.
+) -> None:
+    """Decompose each record at its (already agreed) rank (None: full rank).
 
-    A layer whose factors would not compress it (:func:`factors_compress` with ``min_compression``) is
-    recomposed if needed and stays in full mode for this AB phase. Pass
-    ``min_compression=None`` to factorise everything (the first, untruncated
-    decomposition: full rank never pays). ``svds`` defaults to fresh :func:`svd` calls.
-    ``moments_against`` (by layer name) and ``frozen_orthonormal`` are :func:`decompose`'s.
+    ``svds`` defaults to fresh :func:`svd` calls. ``moments_against`` (by layer name) and
+    ``frozen_orthonormal`` are :func:`decompose`'s.
     """
     if len(ranks) != len(records) or (svds is not None and len(svds) != len(records)):
         raise ValueError("records, ranks and svds must have the same length")
-    done = []
     for i, fp in enumerate(records):
-        usv = svds[i] if svds is not None else None
-        r = ranks[i]
-        r_eff = min(fp.m, fp.n) if r is None else r
-        if min_compression is not None and not factors_compress(fp.m, fp.n, r_eff, min_compression):
-            if fp.mode == "lowrank":
-                recompose(fp)
-            fp.param.note = (
-                f"factors at rank {r_eff} would hold r(m+n)={r_eff * (fp.m + fp.n)} numbers "
-                f">= m*n/{min_compression:g}={fp.m * fp.n / min_compression:g}"
-            )
-            done.append(False)
-            continue
-        decompose(fp, r, usv=usv, split=split, sigma_in=sigma_in, optimizer=optimizer,
-                  moments_against=(moments_against or {}).get(fp.name), frozen_orthonormal=frozen_orthonormal)
-        done.append(True)
-    return done
+        decompose(fp, ranks[i], usv=svds[i] if svds is not None else None, split=split, sigma_in=sigma_in,
+                  optimizer=optimizer, moments_against=(moments_against or {}).get(fp.name),
+                  frozen_orthonormal=frozen_orthonormal)
 
 
 def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | None = None,

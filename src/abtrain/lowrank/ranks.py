@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-def factors_compress(m: int, n: int, r: int, min_compression: float = 1.0) -> bool:
-    """True when rank-r factors of an m×n matrix hold fewer than m·n / min_compression numbers: r(m+n) < m·n/ρ."""
-    if min_compression <= 0:
-        raise ValueError(f"min_compression must be > 0, got {min_compression}")
-    return r * (m + n) * min_compression < m * n
+
+def factors_compress(m: int, n: int, r: int) -> bool:
+    """True when rank-r factors of an m×n matrix hold fewer numbers than the matrix: r(m+n) < m·n."""
+    return r * (m + n) < m * n
 
 
 def paying_rank(m: int, n: int) -> int:
@@ -34,32 +32,27 @@ def state_rank(m: int, n: int, moments: int, memory: bool, extra: int = 0) -> in
 
 @dataclass(frozen=True)
 class RankRule:
-    """How to pick a rank from singular values; set exactly one of tau, rank, fraction, energy.
+    """How to pick a rank from singular values; set exactly one of tau, rank, fraction.
 
     tau: count of σ_i > τ·σ_1 (at least 1). rank: fixed rank. fraction: round(fraction·min(m,n)).
-    energy: smallest r with Σ_{i<r} σ_i² ≥ energy·Σσ². ``max_rank`` caps any of them.
+    ``max_rank`` caps any of them.
     """
 
     tau: float | None = None
     rank: int | None = None
     fraction: float | None = None
-    energy: float | None = None
     max_rank: int | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("tau", "rank", "fraction", "energy") if getattr(self, k) is not None]
+        given = [k for k in ("tau", "rank", "fraction") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(
-                f"give exactly one rank rule (tau, rank, fraction or energy), got {given or 'none'}"
-            )
+            raise ValueError(f"give exactly one rank rule (tau, rank or fraction), got {given or 'none'}")
         if self.tau is not None and not 0.0 < self.tau < 1.0:
             raise ValueError(f"tau must be in (0, 1) (relative cut-off of σ/σ_1, e.g. 0.15), got {self.tau}")
         if self.rank is not None and self.rank < 1:
             raise ValueError(f"rank must be >= 1, got {self.rank}")
         if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1] (share of full rank), got {self.fraction}")
-        if self.energy is not None and not 0.0 < self.energy <= 1.0:
-            raise ValueError(f"energy must be in (0, 1] (share of Σσ² kept), got {self.energy}")
         if self.max_rank is not None and self.max_rank < 1:
             raise ValueError(f"max_rank must be >= 1, got {self.max_rank}")
 
@@ -73,13 +66,9 @@ class RankRule:
             r = int((s > self.tau * s[0]).sum())
         elif self.rank is not None:
             r = self.rank
-        elif self.fraction is not None:
-            r = round(self.fraction * full)
         else:
-            assert self.energy is not None
-            mass = torch.cumsum(s * s, 0)
-            # Comparing with the last cumulative sum (not a separate sum) makes energy=1 reach full rank.
-            r = int(torch.searchsorted(mass, self.energy * mass[-1])) + 1
+            assert self.fraction is not None
+            r = round(self.fraction * full)
         if self.max_rank is not None:
             r = min(r, self.max_rank)
         return max(1, min(r, full))

@@ -44,6 +44,17 @@ EARLIER_DEFAULTS: dict[str, Any] = {
     "tangent_core": "sum", "powersgd_rank": 8,
 }
 
+#: The last commit whose abtrain has the options of :data:`REMOVED` (``git checkout`` it to rerun an older
+#: note's command that uses one).
+LAST_WITH_REMOVED = "92780e8"
+
+#: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
+#: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
+REMOVED: dict[str, Any] = {
+    "independent": False, "energy": None, "min_compression": None, "truncate_first": False, "sync_flush": False,
+    "final_rebound_steps": 0, "dense_start_steps": 0,
+}
+
 
 @dataclass
 class ABConfig(Options):
@@ -56,8 +67,11 @@ class ABConfig(Options):
     """
 
     section = "ab"
+    removed = REMOVED
+    removed_after = LAST_WITH_REMOVED
+    removed_why = "docs/notebook/2026-12-options-removed.md"
     #: options of which one at most may be given; a config file's is replaced by a flag's (``config.merge``)
-    exclusive = (("tau", "rank", "rank_fraction", "energy"),)
+    exclusive = (("tau", "rank", "rank_fraction"),)
 
     warmup_fraction: float = opt(0.01, "share of the run's steps trained full rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
     cycle_fraction: float = opt(0.015, "share of the run's steps between two syncs (the cycle); --ab-cycle-steps overrides it")
@@ -70,28 +84,21 @@ class ABConfig(Options):
     tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")
     rank: int | None = opt(None, "fixed rank for every factorised layer")
     rank_fraction: float | None = opt(None, "rank as a fraction of each layer's full rank, in (0, 1]")
-    energy: float | None = opt(None, "smallest rank keeping this fraction of the squared singular values, in (0, 1]")
     min_rank: int = opt(8, "rank floor: no layer is cut below it, and a matrix whose factors at this rank would not be smaller than W stays full rank")
     rank_cap: str = opt("pays", "bound on the rank of every decomposition: pays (factors smaller than W), state (training state within DDP's) or none (the rank rule alone)", choices=RANK_CAPS)
-    min_compression: float | None = opt(None, "opt-in gate: keep a layer full rank at a truncation when its factors would hold more than m*n/rho numbers (rho)")
-    truncate_first: bool = opt(False, "truncate already at the first decomposition (by default it keeps full rank)")
     sync: str = opt("only-learned", "how a sync averages the groups into one model", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
-    independent: bool = opt(False, "no communication inside a group during AB phases: each worker trains alone until sync")
-    final_rebound_steps: int = opt(0, "end the run with this many full-rank DP steps (after a last sync), inside the step budget")
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str | None = opt(None, "how W's singular values go into A and B: sqrt, sigma, or tangent (in the factor each group trains); default: tangent with only-learned, else sqrt", choices=SPLITS)
     sync_payload: str | None = opt(None, "what an only-learned sync sends per low-rank layer: factors, smaller (of factors and W's change) or lowrank; default: lowrank with tangent, else factors", choices=SYNC_PAYLOADS)
     tangent_core: str | None = opt(None, "how the tangent merge counts the part of the groups' changes both can make: sum or mean; default: mean with tangent and only-learned, else sum", choices=tuple(TANGENT_CORES))
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank")
-    sync_flush: bool = opt(False, "with --ab-sync-payload lowrank: the run's last sync sends each compressed change whole, with what its error memory holds")
     svd: str = opt("full", "how the decomposition after a sync finds W's SVD: full, or update (from the parts a --ab-sync-payload lowrank sync leaves)", choices=SVD_MODES)
     sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, or powersgd (--ab-powersgd-rank)", choices=DENSE_REDUCERS)
-    dense_start_steps: int = opt(0, "warm-up and rebound steps among the run's first N average their gradients whole, in fp32, before --ab-dense-comm takes over")
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync's payload on the wire; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
@@ -100,7 +107,7 @@ class ABConfig(Options):
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
     def check(self) -> None:
-        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps", "final_rebound_steps", "dense_start_steps"):
+        for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
@@ -132,8 +139,6 @@ class ABConfig(Options):
             self.sync_payload = "lowrank" if tangent_merge else "factors"
         if self.tangent_core is None:
             self.tangent_core = "mean" if tangent_merge else "sum"
-        if self.min_compression is not None and self.min_compression <= 0:
-            raise ValueError(f"--ab-min-compression must be > 0, got {self.min_compression}")
         if self.split == "tangent" and self.sync == "with-stale":
             raise ValueError("--ab-split tangent splits W differently in A- and B-groups, and with-stale averages each "
                              "group's untrained factor with the others' trained one: use --ab-sync only-learned "
@@ -149,9 +154,6 @@ class ABConfig(Options):
         if self.svd == "update" and self.sync_payload != "lowrank":
             raise ValueError("--ab-svd update takes W's SVD from the rank-q change that --ab-sync-payload lowrank "
                              f"sends: use it with --ab-sync-payload lowrank (got {self.sync_payload})")
-        if self.sync_flush and self.sync_payload != "lowrank":
-            raise ValueError("--ab-sync-flush sends what the error memories of --ab-sync-payload lowrank hold; "
-                             f"it needs --ab-sync-payload lowrank (got {self.sync_payload})")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
 
@@ -164,7 +166,7 @@ class ABConfig(Options):
     def rule(self) -> lowrank.RankRule:
         """The rank rule these options give, built once (when the options are checked)."""
         try:
-            return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction, energy=self.energy)
+            return lowrank.RankRule(tau=self.tau, rank=self.rank, fraction=self.rank_fraction)
         except ValueError as exc:
             raise ValueError(f"AB-training rank rule: {exc}") from None
 

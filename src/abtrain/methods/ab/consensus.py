@@ -34,7 +34,7 @@ class ABConsensus(ABSync, ABDecomposition):
         # Workers differ only while groups train apart: inside an AB phase after its first step.
         if self.phase != "ab" or self.t in (self._switch_step, self._agreed_at):
             return True
-        return self.train_group is self.topo.world and not self.cfg.independent
+        return self.train_group is self.topo.world
 
     @torch.no_grad()
     def agree(self) -> None:
@@ -61,14 +61,14 @@ class ABConsensus(ABSync, ABDecomposition):
         low = [fp for fp in self.records if fp.name in ranks]
         start = time.perf_counter()
         with torch.profiler.record_function("abtrain::ab::decompose"):
-            self._factorise(low, [ranks[fp.name] for fp in low], [self._svd(fp) for fp in low], optimizer, None)
+            self._factorise(low, [ranks[fp.name] for fp in low], [self._svd(fp) for fp in low], optimizer)
         self.svd_seconds += time.perf_counter() - start
         self._agreed_at = self.t
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         """End inside an AB phase with a last sync, so that every worker holds the same full-rank model."""
         if not self.in_consensus():
-            self._sync(optimizer, last=True)
+            self._sync(optimizer)
             self._parts = {}  # no decomposition follows
             self._switch_step = self.t
         elif self._bases and self.phase == "ab":

@@ -44,7 +44,6 @@ class ABCore(Method):
         self.train_group = topo.world if only_b and self.cfg.only_b_groups == "world" else topo.group
         self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank,
                                    powersgd_dtype=self.cfg.powersgd_dtype)
-        self.plain = build_reducer("fp32", comm)  # the first dense_start_steps steps
         self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
         self.wire_dtype = WIRE_DTYPES[self.cfg.sync_dtype]
         num_a_groups = max(1, topo.num_groups // 2)

@@ -26,14 +26,12 @@ class ABDecomposition(ABCore):
                 # Every worker must use the same rank per layer.
                 self.comm.all_reduce(ranks, self.topo.world, op="max")
                 chosen: list[int | None] = [int(r) for r in ranks.tolist()]
-                min_compression = self.cfg.min_compression
             else:
                 chosen = [None] * len(records)
-                min_compression = None
             capped = self._cap_ranks(records, chosen, optimizer)
             if self.cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, [t for fp in records for t in (fp.A, fp.B)])
-            self._factorise(records, chosen, svds, optimizer, min_compression)
+            self._factorise(records, chosen, svds, optimizer)
             self._say_capped(records, capped)
         self.svd_seconds += time.perf_counter() - start
         self.ratio = lowrank.compression_ratio(self.module, self.records)
@@ -66,9 +64,9 @@ class ABDecomposition(ABCore):
             self._said_same = False
 
     def _factorise(self, records: list[lowrank.FactorizedParam], ranks: list[int | None], svds: list[lowrank.SVD],
-                   optimizer: torch.optim.Optimizer, min_compression: float | None) -> None:
+                   optimizer: torch.optim.Optimizer) -> None:
         """Split each layer at its agreed rank, this worker's factor trainable, the tangent bases kept."""
-        lowrank.decompose_all(records, ranks, svds, min_compression=min_compression, split=self._split(),
+        lowrank.decompose_all(records, ranks, svds, split=self._split(),
                               sigma_in=self._sigma_in(), optimizer=optimizer, moments_against=self._take_frozen(),
                               # the tangent split's frozen factor is U or Vᵀ, its own pseudo-inverse; only svd="update"
                               # (which needs that split) skips the pinv, so that full-SVD runs keep their rounding
@@ -77,9 +75,9 @@ class ABDecomposition(ABCore):
         self._keep_bases(records, svds)
         self.note_state_change()
         sched = self._sched()
-        if sched.rebound == 0 and sched.final_rebound == 0:
+        if sched.rebound == 0:
             # No full-rank step follows: W's optimizer state (from the warm-up) would never be read again.
-            # A layer that later trains W again (a gate keeps it full rank) starts its moments afresh.
+            # A layer that later trains W again starts its moments afresh.
             lowrank.reset_state(optimizer, [fp.weight for fp in records if fp.mode == "lowrank"])
         self.dense.reset()  # the full-rank phase's error memories: the next one starts afresh after a sync anyway
 

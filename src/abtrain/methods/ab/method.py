@@ -93,7 +93,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         self._sched()
         self._optimizer = optimizer
         if self.t == 0 and self.phase_at(0) == "ab" and not self.ranks:
-            self._decompose(optimizer, truncate=self.cfg.truncate_first)
+            self._decompose(optimizer, truncate=False)
             self._switch_step = 0
         self._watch_gradients()
 
@@ -103,15 +103,14 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
             return
         self._reduced = True
         if self.phase == "ab":
-            self.overlap.finish()  # idle when the workers train alone (independent)
+            self.overlap.finish()  # idle in groups of one worker
         else:
-            reducer = self.plain if self.t < self.cfg.dense_start_steps else self.dense
-            reducer.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
-                           self.topo.world)
+            self.dense.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
+                              self.topo.world)
 
     def _watch_gradients(self) -> None:
         """Arm the in-group averaging for the coming step when it is an AB step (its trained tensors may be new)."""
-        in_group = self.phase == "ab" and not self.cfg.independent and self.train_group.size > 1
+        in_group = self.phase == "ab" and self.train_group.size > 1
         if in_group and self.module is not None:
             self.overlap.watch([p for p in self.module.parameters() if p.requires_grad])
         self.overlap.start(self.train_group if in_group else None)
@@ -174,7 +173,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         if sync:
             self._sync(optimizer)
         if decompose:
-            self._decompose(optimizer, truncate=self.cfg.truncate_first or bool(self.ranks))
+            self._decompose(optimizer, truncate=bool(self.ranks))  # the first decomposition keeps full rank
         self._parts = {}  # W changes at the next step
         if sync or decompose or self.phase_at(self.t) != self.phase_at(self.t - 1):
             self._switch_step = self.t
@@ -198,7 +197,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
             "ranks": self.ranks,
             "phases": sched.ranges(self.t),
             "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps, "rebound_steps": sched.rebound,
-                         "lr_rebound_steps": sched.lr_rebound, "final_rebound_steps": sched.final_rebound},
+                         "lr_rebound_steps": sched.lr_rebound},
             "kept_output_layers": self.kept,
             "svd_seconds": self.svd_seconds,
             "svd_counts": dict(self.svd_counts),

@@ -18,7 +18,7 @@ class Schedule:
 
     ``warmup`` (T_w) full-rank steps, then a sync at every multiple of ``cycle_steps`` after them, each
     followed by ``rebound`` (F) full-rank steps; ``lr_rebound`` (R): the learning-rate ramp after each
-    phase switch; ``final_rebound``: full-rank steps that end the run.
+    phase switch.
     """
 
     warmup: int
@@ -26,7 +26,6 @@ class Schedule:
     rebound: int
     lr_rebound: int
     total: int | None = None
-    final_rebound: int = 0
 
     @classmethod
     def from_config(cls, cfg: ABConfig, total: int | None) -> "Schedule":
@@ -49,7 +48,7 @@ class Schedule:
         else:
             lr_rebound = (max(rebound + 1, round(cfg.lr_rebound_fraction * cycle_steps))
                           if cfg.lr_rebound_fraction else 0)
-        return cls(warmup, cycle_steps, rebound, lr_rebound, total, cfg.final_rebound_steps)
+        return cls(warmup, cycle_steps, rebound, lr_rebound, total)
 
     def phase_at(self, t: int) -> str:
         """Phase of optimizer step ``t`` (0-based).
@@ -66,8 +65,6 @@ class Schedule:
     def _phase(self, t: int) -> str:
         if t < self.warmup:
             return "warmup"
-        if self.total is not None and self.final_rebound and t >= self.total - self.final_rebound:
-            return "rebound"
         last_sync = (t // self.cycle_steps) * self.cycle_steps  # syncs fall at its multiples after warm-up
         if last_sync <= self.warmup or t - last_sync >= self.rebound:
             return "ab"
@@ -78,15 +75,6 @@ class Schedule:
         before, after = self.phase_at(t - 1), self.phase_at(t)
         sync = before == "ab" and (after != "ab" or (t % self.cycle_steps == 0 and t > self.warmup))
         return sync, after == "ab" and (before != "ab" or sync)
-
-    def ab_after(self, t: int) -> bool:
-        """Whether an AB step, hence a sync, follows step ``t`` (True when the run's length is unknown)."""
-        if self.total is None:
-            return True
-        # after the warm-up every cycle holds an AB step (rebound < cycle_steps) unless the final rebound covers
-        # it, and that runs to the end: one cycle past the warm-up tells
-        start = max(t, self.warmup)
-        return any(self.phase_at(s) == "ab" for s in range(start, min(self.total, start + self.cycle_steps)))
 
     def syncs(self) -> int:
         """Syncs in the whole run (needs ``total``): the scheduled ones, the one after the last step included,

@@ -20,8 +20,8 @@ class ABSync(ABCore):
     """The sync part of :class:`~.method.ABTraining`: the groups averaged into one full-rank model."""
 
     @torch.no_grad()
-    def _sync(self, optimizer: torch.optim.Optimizer, last: bool = False) -> None:
-        """Average the groups into one model; ``last``: no sync follows in this run."""
+    def _sync(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average the groups into one model."""
         start = time.perf_counter()
         self.syncs += 1
         self.note_state_change()
@@ -42,9 +42,8 @@ class ABSync(ABCore):
                      if self.cfg.sync == "only-learned" else {})
             changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
                                      in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
-                                     one_group=self.train_group is self.topo.world and not self.cfg.independent,
-                                     as_change=self._send_as_change(low, bases), compressor=self._compressor,
-                                     flush=self.cfg.sync_flush and (last or not self._sched().ab_after(self.t)))
+                                     one_group=self.train_group is self.topo.world,
+                                     as_change=self._send_as_change(low, bases), compressor=self._compressor)
             self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
             factors = self._compressor.take_factors() if self._compressor is not None else {}
             core = TANGENT_CORES[self.cfg.tangent_core]
@@ -86,7 +85,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
                    rest: list[torch.Tensor], buffers: list[torch.Tensor], wire: torch.dtype | None, *,
                    in_a: bool, n_a: int, one_group: bool,
                    as_change: dict[str, lowrank.SVD] | None = None,
-                   compressor: PowerSGDReducer | None = None, flush: bool = False) -> dict[str, torch.Tensor]:
+                   compressor: PowerSGDReducer | None = None) -> dict[str, torch.Tensor]:
     """Average the factors of the ``low`` layers and ``rest`` over ``world`` as the sync ``mode`` says.
 
     ``in_a``: this worker trained A; ``n_a``: workers that trained A; ``one_group``:
@@ -95,14 +94,13 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
     sent instead of their factors, each with the SVD (U, σ, Vᵀ) its phase started from.
     Returns those layers' summed changes of W (m×n), the same on every worker.
     ``compressor``: the layers it compresses send their change as a rank-q PowerSGD
-    approximation with error feedback instead of in full (see :func:`_average_learned`);
-    ``flush``: they send it in full instead, with what their error memory holds.
+    approximation with error feedback instead of in full (see :func:`_average_learned`).
     """
     if mode == "with-stale":
         comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world, wire_dtype=wire)
     elif mode == "only-learned":
         return _average_learned(comm, world, low, rest, wire, in_a=in_a, n_a=n_a, as_change=as_change or {},
-                                compressor=compressor, flush=flush)
+                                compressor=compressor)
     elif mode == "full":
         for fp in low:
             lowrank.recompose(fp)
@@ -118,7 +116,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
 def _average_learned(comm: Communicator, world: Group, low: list[lowrank.FactorizedParam],
                      rest: list[torch.Tensor], wire: torch.dtype | None, *, in_a: bool, n_a: int,
                      as_change: dict[str, lowrank.SVD],
-                     compressor: PowerSGDReducer | None = None, flush: bool = False) -> dict[str, torch.Tensor]:
+                     compressor: PowerSGDReducer | None = None) -> dict[str, torch.Tensor]:
     """only-learned: mean of A over the A-groups, mean of B over the B-groups, the rest over everyone.
 
     One summed all-reduce (the bytes of with-stale): each worker contributes its
@@ -137,12 +135,6 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
     survives changes of rank). Every worker adds the same rank-q result to W;
     what one sync leaves out, a later one sends. The reducer averages, so each
     share goes in multiplied by the world size and the average is the sum.
-
-    ``flush`` (the run's last sync): those layers send their change whole
-    instead, each worker's share plus its error memory (divided by the world
-    size, the scale the memory was kept in), and the memories are emptied: the
-    summed result is the exact total of every change the groups made over all
-    syncs, nothing left behind on the workers.
     """
     n_b = world.size - n_a
     contrib = []
@@ -152,13 +144,7 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
             u, s, vh = as_change[fp.name]
             change = (fp.A - u * s) @ vh / n_a if in_a else u @ (fp.B - s[:, None] * vh) / n_b
             if compressor is not None and compressor.rank_for(fp.m, fp.n) is not None:
-                if flush:
-                    memory = compressor.take_error(fp.name)
-                    if memory is not None:
-                        change.add_(memory.view_as(change), alpha=1 / world.size)
-                    contrib.append(change)
-                else:
-                    compressed[fp.name] = change.mul_(world.size)
+                compressed[fp.name] = change.mul_(world.size)
             else:
                 contrib.append(change)
             continue
