@@ -5,6 +5,7 @@ Trainer per run, sharing the process group), so the file stays fast.
 """
 
 import dataclasses
+import json
 import os
 import tempfile
 
@@ -75,7 +76,7 @@ def _run_all(runs, run_dir):
         try:
             os.makedirs(os.path.join(run_dir, name), exist_ok=True)
             trainer = Trainer(cfg, topo, os.path.join(run_dir, name))
-            trainer.run()
+            results = trainer.run()
         finally:
             registry.register(original)
         method = trainer.method
@@ -84,6 +85,7 @@ def _run_all(runs, run_dir):
             "summary": trainer.ledger.summary(),
             "params": trainer.params,
             "evals": len(trainer.history),
+            "results": results,  # rank 0's; None on the others
             "extra": method.extra_results(),
             "stats": tuple(method.extra_results()["powersgd"][k] for k in
                            ("compression_rate", "numel_before_compression", "numel_after_compression"))
@@ -129,15 +131,21 @@ def test_one_model_after_finalize(runs, name):
         assert torch.equal(a[k], b[k]), f"{name}: {k} differs between workers"
 
 
+def _state_json_width(results):
+    """Bytes of the longest worker's training state by phase as JSON: what the end of a run gathers."""
+    return max(len(json.dumps(worker).encode()) for worker in results["training_state_by_worker"])
+
+
 def test_none_never_communicates_while_training(runs):
     s = runs[0]["none"]["summary"]
     assert set(s["by_phase"]) == {"setup", "eval"}
-    # No buffer averaging at evaluation either: 7 float64 totals per evaluation, one max of peak RSS and
-    # training state,
-    # then the results' averaging over workers: an all-gather of 3 totals, a 2-int64 key check
-    # (both new ledger rows) and 5 numbers per row that existed before them.
-    rows_before = len(s["rows"]) - 2
-    assert s["by_phase"]["eval"]["payload_bytes"] == (runs[0]["none"]["evals"] * 7 * 8 + 2 * 8
+    # No buffer averaging at evaluation either: 7 float64 totals per evaluation; at the end each worker's
+    # peak RSS, training state and the length of its by-phase parts (3 float64), then those parts as JSON
+    # (padded to the longest); then the results' averaging over workers: an all-gather of 3 totals, a
+    # 2-int64 key check and 5 numbers per ledger row of the snapshot it averages (the one in results.json).
+    rows_before = len(runs[0]["none"]["results"]["comm"]["rows"])
+    assert s["by_phase"]["eval"]["payload_bytes"] == (runs[0]["none"]["evals"] * 7 * 8 + 3 * 8
+                                                      + _state_json_width(runs[0]["none"]["results"])
                                                       + 3 * 8 + 2 * 8 + 5 * 8 * rows_before)
     assert _max_diff(runs[0]["none"]["state"], runs[1]["none"]["state"]) > 0  # the workers drifted apart
 

@@ -1,5 +1,6 @@
 """DDP on real gloo worlds: identical workers, exact byte counts, reproducibility."""
 
+import json
 import os
 import tempfile
 
@@ -73,10 +74,12 @@ def test_workers_identical_and_bytes_exact(fashion_dir, two_workers, world):
     # Start: rank 0's parameters and buffers broadcast once.
     assert s["by_phase"]["setup"]["payload_bytes"] == 4 * (P + o["float_buffers"]) + o["other_buffers_bytes"]
     # Each evaluation: BatchNorm statistics averaged, 7 float64 totals (metrics and bytes so far);
-    # at the end one max of peak RSS and training state (2 float64), then the results' averaging: an all-gather of 3 totals, a key
-    # check (2 int64) and the sums of 5 figures per ledger row (recorded after the snapshot it averages).
+    # at the end each worker's peak RSS, training state and the length of its by-phase parts (3 float64) and
+    # those parts as JSON (padded to the longest), then the results' averaging: an all-gather of 3 totals, a
+    # key check (2 int64) and the sums of 5 figures per ledger row (recorded after the snapshot it averages).
     r = o["results"]
-    evals = o["evals"] * (4 * o["float_buffers"] + 7 * 8) + 2 * 8
+    width = max(len(json.dumps(worker).encode()) for worker in r["training_state_by_worker"])
+    evals = o["evals"] * (4 * o["float_buffers"] + 7 * 8) + 3 * 8 + width
     assert r["comm"]["by_phase"]["eval"]["payload_bytes"] == evals
     rows = len(r["comm"]["rows"])
     assert s["by_phase"]["eval"]["payload_bytes"] == evals + 3 * 8 + 2 * 8 + 5 * 8 * rows
