@@ -143,6 +143,20 @@ def test_library_errors_name_keywords():
     assert as_keywords("pass e.g. --group-size 2, or --no-ab-keep-output") == "pass e.g. group_size=2, or keep_output=False"
 
 
+def test_unknown_and_removed_keywords_are_one_line_each():
+    """Not Python's TypeError from inside the build: the misspelt name with the closest, a removed one with
+    the commit that still has it; a build's own parameters (DDP's bucket size) are options too."""
+    with pytest.raises(ValueError, match=r"^setup\('ab'\) has no option 'tua'; did you mean tau\?$"):
+        abtrain.setup("ab", tua=0.1)
+    with pytest.raises(ValueError, match=r"^sync_flush was removed from abtrain .*git checkout 92780e8"):
+        abtrain.setup("ab", sync_flush=True)
+    with pytest.raises(ValueError, match=r"^setup\('ddp'\) has no option 'rank'; its options: bucket_cap_mb$"):
+        abtrain.setup("ddp", rank=3)
+    with pytest.raises(ValueError, match=r"has no option 'rnk'; did you mean rank\?"):
+        abtrain.setup("powersgd", rnk=2)
+    abtrain.setup("ddp", bucket_cap_mb=1.0).close()  # one process: communication skipped
+
+
 def _setup_in_users_world(steps: int, split: str) -> dict:
     """The user's script initialised the world; abtrain joins it and leaves it to them."""
     dist.init_process_group("gloo")

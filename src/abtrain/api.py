@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
+import inspect
 import re
 from typing import Any
 
@@ -35,6 +38,7 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
     """
     try:
         spec = registry.get(method)
+        check_option_names(spec, options)
         if spec.has_option("quiet"):  # a method that may print while it is built (AB-training: its schedule)
             options = {**options, "quiet": quiet or bool(options.get("quiet", False))}
         preferred = None
@@ -52,6 +56,27 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
     except ValueError as exc:
         raise ValueError(as_keywords(str(exc))) from None
     return built
+
+
+def check_option_names(spec: Any, given: dict[str, Any]) -> None:
+    """A ValueError in one line for a keyword the method takes no option of: a removed one says where it still
+    exists, a misspelt one the closest names (instead of Python's TypeError from deep inside the build).
+    The options are the fields of the method's options class and the named parameters of its build."""
+    options_class = spec.options
+    known = {f.name for f in dataclasses.fields(options_class)} if options_class is not None else set()
+    params = list(inspect.signature(spec.build).parameters.values())[2:]  # after (comm, topo)
+    known |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if options_class is None and any(p.kind is p.VAR_KEYWORD for p in params):
+        return  # the build takes anything: it says itself what it refuses
+    for name in given:
+        if name in known:
+            continue
+        if name in getattr(options_class, "removed", {}):
+            raise ValueError(options_class.removed_message(name, f"setup(..., {name}=...)"))
+        close = difflib.get_close_matches(name, sorted(known), n=3)
+        raise ValueError(f"setup({spec.name!r}) has no option {name!r}"
+                         + (f"; did you mean {', '.join(close)}?" if close else
+                            f"; its options: {', '.join(sorted(known)) or 'none'}"))
 
 
 def as_keywords(message: str) -> str:
