@@ -172,8 +172,8 @@ def workload_section(report: Report) -> list[str]:
     seeds = " / ".join(str(s) for s in report.seeds)
     folder = report.folder.relative_to("docs").as_posix()
     lines = [f"## `{report.workload}`", ""]
-    over = ("one run per method: with one seed there is no spread, so no difference below is called a "
-            "tie or a win; the second seed is still to be run" if report.one_seed else
+    over = ("one run per method (one seed has no spread, so no difference below is called a tie or a "
+            "win; the second seed is still to be run)" if report.one_seed else
             "mean ± spread (max − min) over the seeds, and each seed's")
     lines += para(
         f"The workload: {report.data['workload']}; seed{'' if report.one_seed else 's'} "
