@@ -166,7 +166,9 @@ for r in rows:
 ax.set_xscale("log")
 ax.set_xlabel("global wire bytes per worker (MB, log)")
 ax.set_ylabel(f"{'test perplexity' if unit == 'ppl' else 'test accuracy (%)'} (mean; bar: spread of the seeds)")
-ax.set_title(f"{workload.name}: accuracy, bytes and compression (seeds {args.seeds})", fontsize=10)
+seeds_text = f"seeds {args.seeds}" if len(seeds) > 1 else f"seed {args.seeds}, no spread"
+ax.set_title(f"{workload.name}: {'perplexity' if unit == 'ppl' else 'accuracy'}, bytes and compression ({seeds_text})",
+             fontsize=10)
 ax.legend(fontsize=7)
 fig.tight_layout()
 fig.savefig(os.path.join(out, "front.png"), dpi=110)
