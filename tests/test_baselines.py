@@ -132,16 +132,18 @@ def test_one_model_after_finalize(runs, name):
 
 
 def _state_json_width(results):
-    """Bytes of the longest worker's training state by phase as JSON: what the end of a run gathers."""
-    return max(len(json.dumps(worker).encode()) for worker in results["training_state_by_worker"])
+    """Bytes of the longest worker's record (training state and multiply-adds by phase) as JSON: what the end of
+    a run gathers."""
+    return max(len(json.dumps({"state": state, "multiply_adds": macs}).encode())
+               for state, macs in zip(results["training_state_by_worker"], results["multiply_adds_by_worker"]))
 
 
 def test_none_never_communicates_while_training(runs):
     s = runs[0]["none"]["summary"]
     assert set(s["by_phase"]) == {"setup", "eval"}
     # No buffer averaging at evaluation either: 7 float64 totals per evaluation; at the end each worker's
-    # peak RSS, training state and the length of its by-phase parts (3 float64), then those parts as JSON
-    # (padded to the longest); then the results' averaging over workers: an all-gather of 3 totals, a
+    # peak RSS, training state and the length of its record (3 float64), then the record as JSON (padded to
+    # the longest); then the results' averaging over workers: an all-gather of 3 totals, a
     # 2-int64 key check and 5 numbers per ledger row of the snapshot it averages (the one in results.json).
     rows_before = len(runs[0]["none"]["results"]["comm"]["rows"])
     assert s["by_phase"]["eval"]["payload_bytes"] == (runs[0]["none"]["evals"] * 7 * 8 + 3 * 8

@@ -55,6 +55,9 @@ def test_ddp_end_to_end(tmp_path, fashion_dir):
     assert r["ddp_equivalent"]["global_wire_bytes"] == 0 and "versus DDP" not in p.stdout  # one group of 2
     # training state: fp32 parameters, gradients and SGD's momentum, nothing else; the formula DDP's figure uses
     assert r["training_state_bytes"] == r["ddp_equivalent"]["training_state_bytes"] == 3 * 4 * r["params"]
+    # one step's forward and backward, counted on each worker at the first step: the same model and batch
+    assert r["multiply_adds_by_worker"][0] == r["multiply_adds_by_worker"][1] and r["multiply_adds_by_worker"][0]["train"] > 0
+    assert "multiply-adds" in p.stdout
 
 
 def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion_dir):
@@ -91,6 +94,7 @@ def test_the_default_job_is_ab_training_with_bytes_next_to_ddp(tmp_path, fashion
     assert {phase: sum(parts.values()) for phase, parts in r["training_state_by_phase"].items()} == {
         phase: max(t[phase] for t in totals) for phase in totals[0]}
     assert f"training state  {human_bytes(r['training_state_bytes'])} per worker at most" in p.stdout
+    assert len(r["multiply_adds_by_worker"]) == 4 and all(set(m) == set(totals[0]) for m in r["multiply_adds_by_worker"])
 
 
 def test_ab_end_to_end_with_config_file(tmp_path, fashion_dir):

@@ -49,3 +49,19 @@ def test_views_of_one_storage_count_once_and_a_methods_tensors_count():
     model = nn.Linear(10, 10)
     parts = training_state_parts(model, None, Holder(model))
     assert parts == {"parameters": 440, "gradients": 0, "optimizer": 0, "method.memory": 600, "method.inner": 100}
+
+
+def test_multiply_adds_of_a_step_by_hand():
+    """Forward: B·Σ in·out; backward: every weight's gradient (B·Σ in·out) and every layer's input gradient
+    but the first's (the data needs none); counted once per phase."""
+    from abtrain.run.results import count_multiply_adds
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    counts: dict[str, int] = {}
+    with count_multiply_adds(counts, "train"):
+        model(torch.randn(32, 64)).sum().backward()
+    assert counts == {"train": 32 * (3 * (64 * 128 + 128 * 10) - 64 * 128)}
+    with count_multiply_adds(counts, "train"):  # the phase was counted: nothing changes
+        model(torch.randn(999, 64)).sum().backward()
+    assert counts == {"train": 32 * (3 * (64 * 128 + 128 * 10) - 64 * 128)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -9,6 +10,7 @@ import os
 import resource
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from ..comm.ledger import wire_bytes
@@ -35,26 +37,45 @@ def peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def gather_memory(comm: Any, group: Any, device: Any, peak_rss: int,
-                  peak_state: dict[str, dict[str, int]]) -> dict[str, Any]:
-    """Every worker's peak RSS and training state, gathered over ``group`` (two all-gathers, in the ledger).
+@contextlib.contextmanager
+def count_multiply_adds(counts: dict[str, int], phase: str) -> Iterator[None]:
+    """Count the multiply-adds of the block (torch's FlopCounterMode: matrix products and convolutions, half
+    its FLOPs) into ``counts[phase]`` the first time ``phase`` is met; nothing is counted afterwards. What
+    has no formula there (an SVD, elementwise work) is not counted; where counting fails, nothing is."""
+    if phase in counts:
+        yield
+        return
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        yield
+    counts[phase] = int(counter.get_total_flops()) // 2
+
+
+def gather_memory(comm: Any, group: Any, device: Any, peak_rss: int, peak_state: dict[str, dict[str, int]],
+                  multiply_adds: dict[str, int] | None = None) -> dict[str, Any]:
+    """Every worker's peak RSS, training state and multiply-adds per step, gathered over ``group`` (two
+    all-gathers, in the ledger).
 
     Returns ``peak_rss_bytes`` and ``training_state_bytes`` (the most any worker held), ``training_state_by_worker``
-    (each worker's most after a step of each phase, by part, in rank order) and ``training_state_by_phase`` (for
-    each phase, the parts of the worker that held the most in it): AB-training's groups train different factors,
+    (each worker's most after a step of each phase, by part, in rank order), ``training_state_by_phase`` (for
+    each phase, the parts of the worker that held the most in it) and ``multiply_adds_by_worker`` (each worker's
+    multiply-adds of one step's forward and backward, by phase): AB-training's groups train different factors,
     so one worker's figures do not stand for the others'."""
     import json
 
     import torch
 
-    encoded = list(json.dumps(peak_state).encode())
+    encoded = list(json.dumps({"state": peak_state, "multiply_adds": multiply_adds or {}}).encode())
     peak = max((sum(parts.values()) for parts in peak_state.values()), default=0)
     heads = comm.all_gather(torch.tensor([peak_rss, peak, len(encoded)], dtype=torch.float64, device=device), group)
     width = int(max(h[2].item() for h in heads))
     body = torch.zeros(width, dtype=torch.uint8)
     body[:len(encoded)] = torch.tensor(encoded, dtype=torch.uint8)
     bodies = comm.all_gather(body.to(device), group)
-    workers = [json.loads(bytes(b[:int(h[2].item())].cpu().tolist()).decode()) for h, b in zip(heads, bodies)]
+    records = [json.loads(bytes(b[:int(h[2].item())].cpu().tolist()).decode()) for h, b in zip(heads, bodies)]
+    workers = [record["state"] for record in records]
     by_phase: dict[str, dict[str, int]] = {}
     for worker in workers:
         for phase, parts in worker.items():
@@ -62,7 +83,8 @@ def gather_memory(comm: Any, group: Any, device: Any, peak_rss: int,
                 by_phase[phase] = parts
     return {"peak_rss_bytes": int(max(h[0].item() for h in heads)),
             "training_state_bytes": int(max(h[1].item() for h in heads)),
-            "training_state_by_worker": workers, "training_state_by_phase": by_phase}
+            "training_state_by_worker": workers, "training_state_by_phase": by_phase,
+            "multiply_adds_by_worker": [record["multiply_adds"] for record in records]}
 
 
 def check_writable(run_dir: str) -> None:
@@ -156,6 +178,8 @@ def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: in
         # by phase, the parts (parameters, gradients, optimizer, method.*) of the worker that held the most in it
         "training_state_by_phase": memory.get("training_state_by_phase"),
         "training_state_by_worker": memory.get("training_state_by_worker"),
+        # each worker's multiply-adds of one step's forward and backward, by phase (counted at its first step)
+        "multiply_adds_by_worker": memory.get("multiply_adds_by_worker"),
         "comm": comm,
         "ddp_equivalent": ddp,
         **method_results,
@@ -200,7 +224,29 @@ def _model_line(results: dict[str, Any]) -> str:
         if len(phases) > 1:
             text += "; by phase " + ", ".join(f"{name} {human_bytes(sum(parts.values()))}"
                                               for name, parts in phases.items())
+    macs = multiply_adds_by_phase(results)
+    if macs:
+        text += (f"\n  multiply-adds   {human_count(max(macs.values()))} per step at most (forward and backward, "
+                 "one worker's batch)")
+        if len(macs) > 1:
+            text += "; by phase " + ", ".join(f"{name} {human_count(n)}" for name, n in macs.items())
     return text
+
+
+def multiply_adds_by_phase(results: dict[str, Any]) -> dict[str, int]:
+    """The most multiply-adds any worker counted for one step of each phase."""
+    out: dict[str, int] = {}
+    for worker in results.get("multiply_adds_by_worker") or []:
+        for phase, n in worker.items():
+            out[phase] = max(out.get(phase, 0), n)
+    return out
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f}"
 
 
 def _times_fewer(ddp: float, ours: float) -> str:

@@ -23,7 +23,7 @@ from ..models import count_parameters
 from . import checkpoint as ckpt
 from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
-from .results import TensorBoard, gather_memory, peak_rss_bytes, results_record, summary_table, write_metrics_csv
+from .results import TensorBoard, count_multiply_adds, gather_memory, peak_rss_bytes, results_record, summary_table, write_metrics_csv
 from .rundir import write_status
 from .safefile import NoSpaceError, is_no_space, open_file, write_json
 
@@ -69,6 +69,7 @@ class Trainer:
         self.eval_due = False  # an evaluation fell due and waits for the workers to agree on one model
         self.last_checkpoint: int | None = None
         self.guard = ckpt.LossGuard(self.dataset.num_classes)  # judges each checkpoint by the training loss
+        self.multiply_adds: dict[str, int] = {}  # by phase: one step's forward and backward on this worker
         self.resumes: list[dict[str, Any]] = []  # resumes that changed --lr / --grad-clip, with the step
         self.on_step: Callable[[int], None] | None = None  # called after every optimizer step
         self.saved_config = self._read_saved_config() if self.is_main else None
@@ -91,9 +92,10 @@ class Trainer:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.forward_module.train()
         x, y = x.to(self.topo.device, non_blocking=True), y.to(self.topo.device, non_blocking=True)
-        loss = self.loss(self.forward_module(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with count_multiply_adds(self.multiply_adds, self.method.phase):  # the first step of each phase
+            loss = self.loss(self.forward_module(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         if self.cfg.grad_clip is not None:
             self.method.reduce_gradients()  # clip the averaged gradient, not this worker's
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -361,7 +363,7 @@ class Trainer:
         with self.ledger.in_phase("eval"):
             # every worker's peak RSS and training state (the groups of AB-training differ)
             memory = gather_memory(self.comm, self.topo.world, self.topo.device, peak_rss_bytes(),
-                                   self.method.peak_state)
+                                   self.method.peak_state, self.multiply_adds)
             comm = self.comm.mean_summary(self.topo.world)
         if not self.is_main:
             return None
