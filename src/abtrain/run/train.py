@@ -276,6 +276,7 @@ class Trainer:
             "settings": self.settings(),
             "resumes": self.resumes,
             "peak_state": self.method.peak_state,
+            "multiply_adds": self.multiply_adds,
         }
 
     def settings(self) -> dict[str, Any]:
@@ -303,6 +304,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.ledger.load_state_dict(state["ledger"])
         self.method.peak_state = dict(state.get("peak_state", {}))
+        self.multiply_adds = dict(state.get("multiply_adds", {}))
         ckpt.set_rng_state(state["rng"])
         self.step = state["step"]
         self.history = list(state["history"])
