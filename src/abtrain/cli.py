@@ -36,11 +36,11 @@ def _removed_flag(message: str) -> str | None:
         return None
     for token in message[len(head):].split():
         for spec in registry.with_options():
-            prefix = spec.section.replace("_", "-")
-            for name in spec.options.removed:  # type: ignore[union-attr]
-                dashed = name.replace("_", "-")
-                if token.split("=")[0] in (f"--{prefix}-{dashed}", f"--no-{prefix}-{dashed}"):
-                    return spec.options.removed_message(name, "given on the command line")  # type: ignore[union-attr]
+            options = spec.options
+            for name in options.removed:  # type: ignore[union-attr]
+                flag = options.flag(name)  # type: ignore[union-attr]
+                if token.split("=")[0] in (flag, "--no-" + flag[2:]):
+                    return options.removed_message(name, "given on the command line")  # type: ignore[union-attr]
     return None
 
 

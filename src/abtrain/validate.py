@@ -102,19 +102,18 @@ class Options:
     @classmethod
     def removed_message(cls, name: str, given: str) -> str:
         """The one line that refuses removed option ``name``: where it was ``given``, and where it still exists."""
-        flag = f"--{cls.section.replace('_', '-')}-{name.replace('_', '-')}"
-        return (f"{flag} was removed from abtrain ({given}): drop it, or run commit {cls.removed_after}, the last "
+        return (f"{cls.flag(name)} was removed from abtrain ({given}): drop it, or run commit {cls.removed_after}, the last "
                 f"before the removals (git checkout {cls.removed_after}); why: {cls.removed_why}")
 
     def check(self) -> None:
         """The values' own rules (ranges, combinations); raise a ValueError that names the flag."""
 
-    def flag(self, name: str) -> str:
+    @classmethod
+    def flag(cls, name: str) -> str:
         """The command-line flag of option ``name``."""
-        return f"--{self.section.replace('_', '-')}-{name.replace('_', '-')}"
+        return f"--{cls.section.replace('_', '-')}-{name.replace('_', '-')}"
 
     def require(self, name: str, ok: bool, what: str) -> None:
         """Raise ``<flag> must be <what>, got <value>`` unless ``ok``."""
         if not ok:
             raise ValueError(f"{self.flag(name)} must be {what}, got {getattr(self, name)!r}")
-

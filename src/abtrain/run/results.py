@@ -41,7 +41,7 @@ def peak_rss_bytes() -> int:
 def count_multiply_adds(counts: dict[str, int], phase: str) -> Iterator[None]:
     """Count the multiply-adds of the block (torch's FlopCounterMode: matrix products and convolutions, half
     its FLOPs) into ``counts[phase]`` the first time ``phase`` is met; nothing is counted afterwards. What
-    has no formula there (an SVD, elementwise work) is not counted; where counting fails, nothing is."""
+    has no formula there (an SVD, elementwise work) is not counted."""
     if phase in counts:
         yield
         return
