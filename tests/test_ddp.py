@@ -74,14 +74,14 @@ def test_workers_identical_and_bytes_exact(fashion_dir, two_workers, world):
     # Start: rank 0's parameters and buffers broadcast once.
     assert s["by_phase"]["setup"]["payload_bytes"] == 4 * (P + o["float_buffers"]) + o["other_buffers_bytes"]
     # Each evaluation: BatchNorm statistics averaged, 7 float64 totals (metrics and bytes so far);
-    # at the end each worker's peak RSS, training state and the length of its record (3 float64), then the
+    # at the end each worker's peak RSS and the length of its record (2 float64), then the
     # record (training state by phase and part, multiply-adds by phase) as JSON, padded to the longest; then
     # the results' averaging: an all-gather of 3 totals, a key check (2 int64) and the sums of 5 figures per
     # ledger row (recorded after the snapshot it averages).
     r = o["results"]
     width = max(len(json.dumps({"state": state, "multiply_adds": macs}).encode())
                 for state, macs in zip(r["training_state_by_worker"], r["multiply_adds_by_worker"]))
-    evals = o["evals"] * (4 * o["float_buffers"] + 7 * 8) + 3 * 8 + width
+    evals = o["evals"] * (4 * o["float_buffers"] + 7 * 8) + 2 * 8 + width
     assert r["comm"]["by_phase"]["eval"]["payload_bytes"] == evals
     rows = len(r["comm"]["rows"])
     assert s["by_phase"]["eval"]["payload_bytes"] == evals + 3 * 8 + 2 * 8 + 5 * 8 * rows

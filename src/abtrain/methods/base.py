@@ -16,7 +16,7 @@ from .. import lowrank
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
 from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner
-from .memory import training_state_parts
+from .memory import peak_state_total, training_state_parts
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Method(LoopContract):
     @property
     def peak_state_bytes(self) -> int:
         """The most bytes of training state this worker held after any step so far."""
-        return max((sum(parts.values()) for parts in self.peak_state.values()), default=0)
+        return peak_state_total(self.peak_state)
 
     @property
     def last_lr(self) -> float | None:

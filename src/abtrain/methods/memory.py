@@ -27,6 +27,11 @@ _SKIP_NAMES = frozenset({"comm", "topo", "module", "_attached", "_optimizer", "l
 _MAX_DEPTH = 6
 
 
+def peak_state_total(peak_state: dict[str, dict[str, int]]) -> int:
+    """The most bytes a worker held after a step of any phase, from its parts by phase (0 for none)."""
+    return max((sum(parts.values()) for parts in peak_state.values()), default=0)
+
+
 def _tensors(obj: Any, out: list[torch.Tensor], seen: set[int], depth: int) -> None:
     """Every tensor reachable from ``obj`` through containers and plain objects' attributes."""
     if depth > _MAX_DEPTH or id(obj) in seen:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..comm.ledger import wire_bytes
+from ..methods.memory import peak_state_total
 from .safefile import atomic_write
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,17 @@ def peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-@contextlib.contextmanager
-def count_multiply_adds(counts: dict[str, int], phase: str) -> Iterator[None]:
-    """Count the multiply-adds of the block (torch's FlopCounterMode: matrix products and convolutions, half
-    its FLOPs) into ``counts[phase]`` the first time ``phase`` is met; nothing is counted afterwards. What
-    has no formula there (an SVD, elementwise work) is not counted."""
+def count_multiply_adds(counts: dict[str, int], phase: str) -> contextlib.AbstractContextManager[Any]:
+    """A context that counts the multiply-adds of its block (torch's FlopCounterMode: matrix products and
+    convolutions, half its FLOPs) into ``counts[phase]`` the first time ``phase`` is met, and an empty one
+    afterwards. What has no formula there (an SVD, elementwise work) is not counted."""
     if phase in counts:
-        yield
-        return
+        return contextlib.nullcontext()
+    return _counted(counts, phase)
+
+
+@contextlib.contextmanager
+def _counted(counts: dict[str, int], phase: str) -> Iterator[None]:
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -56,7 +60,7 @@ def count_multiply_adds(counts: dict[str, int], phase: str) -> Iterator[None]:
 def gather_memory(comm: Any, group: Any, device: Any, peak_rss: int, peak_state: dict[str, dict[str, int]],
                   multiply_adds: dict[str, int] | None = None) -> dict[str, Any]:
     """Every worker's peak RSS, training state and multiply-adds per step, gathered over ``group`` (two
-    all-gathers, in the ledger).
+    all-gathers, in the ledger: each worker's peak RSS and the length of its record, then the records).
 
     Returns ``peak_rss_bytes`` and ``training_state_bytes`` (the most any worker held), ``training_state_by_worker``
     (each worker's most after a step of each phase, by part, in rank order), ``training_state_by_phase`` (for
@@ -68,13 +72,12 @@ def gather_memory(comm: Any, group: Any, device: Any, peak_rss: int, peak_state:
     import torch
 
     encoded = list(json.dumps({"state": peak_state, "multiply_adds": multiply_adds or {}}).encode())
-    peak = max((sum(parts.values()) for parts in peak_state.values()), default=0)
-    heads = comm.all_gather(torch.tensor([peak_rss, peak, len(encoded)], dtype=torch.float64, device=device), group)
-    width = int(max(h[2].item() for h in heads))
+    heads = comm.all_gather(torch.tensor([peak_rss, len(encoded)], dtype=torch.float64, device=device), group)
+    width = int(max(h[1].item() for h in heads))
     body = torch.zeros(width, dtype=torch.uint8)
     body[:len(encoded)] = torch.tensor(encoded, dtype=torch.uint8)
     bodies = comm.all_gather(body.to(device), group)
-    records = [json.loads(bytes(b[:int(h[2].item())].cpu().tolist()).decode()) for h, b in zip(heads, bodies)]
+    records = [json.loads(bytes(b[:int(h[1].item())].cpu().tolist()).decode()) for h, b in zip(heads, bodies)]
     workers = [record["state"] for record in records]
     by_phase: dict[str, dict[str, int]] = {}
     for worker in workers:
@@ -82,7 +85,7 @@ def gather_memory(comm: Any, group: Any, device: Any, peak_rss: int, peak_state:
             if sum(parts.values()) > sum(by_phase.get(phase, {}).values()):
                 by_phase[phase] = parts
     return {"peak_rss_bytes": int(max(h[0].item() for h in heads)),
-            "training_state_bytes": int(max(h[1].item() for h in heads)),
+            "training_state_bytes": max(peak_state_total(worker) for worker in workers),
             "training_state_by_worker": workers, "training_state_by_phase": by_phase,
             "multiply_adds_by_worker": [record["multiply_adds"] for record in records]}
 
