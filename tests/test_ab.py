@@ -245,16 +245,17 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
                         "sync_dtype": "bf16", "sync_payload": "smaller"}, "sgd", 2 * K, False),
     # the change of W sent as a rank-3 approximation with error feedback, three syncs, fp32 on the wire
     "tangent-lowrank": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
-                         "sync_payload": "lowrank", "sync_rank": 3}, "sgd", 3 * K, False),
+                         "sync_payload": "lowrank", "sync_rank": 3, "linear_apply": "weight", "svd": "full"},
+                        "sgd", 3 * K, False),
     # the same with every low-rank Linear applied as x·Bᵀ·Aᵀ, never forming A·B
     "tangent-lowrank-factors": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                                  "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3,
-                                 "linear_apply": "factors"}, "sgd", 3 * K, False),
+                                 "linear_apply": "factors", "svd": "full"}, "sgd", 3 * K, False),
     # the same with the moments mapped into each new basis (the defaults' policy) and, next, each decomposition
     # after a sync finding W's SVD from the SVD before it and the rank-3 change
     "tangent-lowrank-map": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                             "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "optimizer_state": "map"},
-                            "sgd", 3 * K, False),
+                             "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "optimizer_state": "map",
+                             "svd": "full"}, "sgd", 3 * K, False),
     "tangent-lowrank-update": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
                                 "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "optimizer_state": "map",
                                 "svd": "update"}, "sgd", 3 * K, False),

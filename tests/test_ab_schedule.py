@@ -64,16 +64,19 @@ def test_the_earlier_defaults_file_and_what_the_defaults_follow():
     raw = read_config_file(str(Path(__file__).parents[1] / "examples" / "ab-earlier-defaults.toml"))
     assert TrainConfig.from_dict(raw).ab == ABConfig(**EARLIER_DEFAULTS)
     assert all(getattr(ABConfig(), k) != v for k, v in EARLIER_DEFAULTS.items())
-    # the defaults are the configuration docs/notebook/2026-12-the-defaults.md measured on the three workloads under these flags
+    # the defaults are the configuration docs/notebook/2026-12-the-defaults.md measured on the three workloads under
+    # these flags, with the fast path of docs/notebook/2026-12-fast-path.md
     recipe = dict(tau=0.05, powersgd_rank=31, warmup_fraction=0.01, cycle_fraction=0.015, split="tangent",
-                  sync_payload="lowrank", tangent_core="mean")
+                  sync_payload="lowrank", tangent_core="mean", linear_apply="auto", svd="update")
     assert ABConfig() == ABConfig(**recipe) and ABConfig(**{**EARLIER_DEFAULTS, **recipe}) == ABConfig()
     # the split, the payload and the core follow the sync: the tangent merge needs only-learned
     new = ABConfig()
     assert (new.sync, new.split, new.sync_payload, new.tangent_core) == ("only-learned", "tangent", "lowrank", "mean")
+    assert new.svd == "update"
     for sync in ("with-stale", "full", "only-b"):
         c = ABConfig(sync=sync)
-        assert (c.split, c.sync_payload, c.tangent_core) == ("sqrt", "factors", "sum"), sync
+        assert (c.split, c.sync_payload, c.tangent_core, c.svd) == ("sqrt", "factors", "sum", "full"), sync
+    assert ABConfig(sync_payload="smaller").svd == "full"
     assert ABConfig(split="sigma").sync_payload == "factors" and ABConfig(split="sigma").tangent_core == "sum"
     assert ABConfig(sync_payload="smaller").split == "tangent"
     with pytest.raises(ValueError, match="use it with --ab-split tangent --ab-sync only-learned"):

@@ -33,7 +33,7 @@ def _cfg(fashion_dir, method, **kw):
         base.update(method="ab", group_size=1, ab=ABConfig(**AB, split="tangent", sync="only-learned"))
     if method == "ab-lowrank":
         base.update(method="ab", group_size=1, ab=ABConfig(**AB, split="tangent", sync="only-learned",
-                                                           sync_payload="lowrank", sync_rank=2))
+                                                           sync_payload="lowrank", sync_rank=2, svd="full"))
     if method == "ab-update":
         base.update(method="ab", group_size=1, ab=ABConfig(**{**AB, "rebound_steps": 0}, split="tangent",
                                                            sync="only-learned", sync_payload="lowrank", sync_rank=2,

@@ -41,7 +41,7 @@ PAPER: dict[str, Any] = {
 #: the same).
 EARLIER_DEFAULTS: dict[str, Any] = {
     "warmup_fraction": 0.5, "cycle_fraction": 0.06, "tau": 0.15, "split": "sqrt", "sync_payload": "factors",
-    "tangent_core": "sum", "powersgd_rank": 8,
+    "tangent_core": "sum", "powersgd_rank": 8, "linear_apply": "weight",
 }
 
 #: The last commit whose abtrain has the options of :data:`REMOVED` (``git checkout`` it to rerun an older
@@ -93,7 +93,7 @@ class ABConfig(Options):
     sync_payload: str | None = opt(None, "what an only-learned sync sends per low-rank layer: factors, smaller (of factors and W's change) or lowrank; default: lowrank with tangent, else factors", choices=SYNC_PAYLOADS)
     tangent_core: str | None = opt(None, "how the tangent merge counts the part of the groups' changes both can make: sum or mean; default: mean with tangent and only-learned, else sum", choices=tuple(TANGENT_CORES))
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank")
-    svd: str = opt("full", "how the decomposition after a sync finds W's SVD: full, or update (from the parts a --ab-sync-payload lowrank sync leaves)", choices=SVD_MODES)
+    svd: str | None = opt(None, "how the decomposition after a sync finds W's SVD: full, or update (from the parts a --ab-sync-payload lowrank sync leaves); default: update with lowrank, else full", choices=SVD_MODES)
     sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
@@ -102,7 +102,7 @@ class ABConfig(Options):
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync's payload on the wire; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
-    linear_apply: str = opt("weight", "how a low-rank nn.Linear applies its factors: weight (forms W = A B), factors (input times B^T, then A^T), or auto (fewer multiply-adds per call)", choices=lowrank.APPLY_MODES)
+    linear_apply: str = opt("auto", "how a low-rank nn.Linear applies its factors: weight (forms W = A B), factors (input times B^T, then A^T), or auto (fewer multiply-adds per call)", choices=lowrank.APPLY_MODES)
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
@@ -139,6 +139,8 @@ class ABConfig(Options):
             self.sync_payload = "lowrank" if tangent_merge else "factors"
         if self.tangent_core is None:
             self.tangent_core = "mean" if tangent_merge else "sum"
+        if self.svd is None:
+            self.svd = "update" if self.sync_payload == "lowrank" else "full"
         if self.split == "tangent" and self.sync == "with-stale":
             raise ValueError("--ab-split tangent splits W differently in A- and B-groups, and with-stale averages each "
                              "group's untrained factor with the others' trained one: use --ab-sync only-learned "
