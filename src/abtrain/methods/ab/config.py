@@ -93,7 +93,7 @@ class ABConfig(Options):
     sync_payload: str | None = opt(None, "what an only-learned sync sends per low-rank layer: factors, smaller (of factors and W's change) or lowrank; default: lowrank with tangent, else factors", choices=SYNC_PAYLOADS)
     tangent_core: str | None = opt(None, "how the tangent merge counts the part of the groups' changes both can make: sum or mean; default: mean with tangent and only-learned, else sum", choices=tuple(TANGENT_CORES))
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank")
-    svd: str | None = opt(None, "how the decomposition after a sync finds W's SVD: full, or update (from the parts a --ab-sync-payload lowrank sync leaves); default: update with lowrank, else full", choices=SVD_MODES)
+    svd: str | None = opt(None, "W's SVD after a sync: full, or update (from the parts a lowrank sync leaves); default: update with --ab-sync-payload lowrank, else full", choices=SVD_MODES)
     sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
