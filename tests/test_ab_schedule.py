@@ -65,9 +65,9 @@ def test_the_earlier_defaults_file_and_what_the_defaults_follow():
     assert TrainConfig.from_dict(raw).ab == ABConfig(**EARLIER_DEFAULTS)
     assert all(getattr(ABConfig(), k) != v for k, v in EARLIER_DEFAULTS.items())
     # the defaults are the configuration docs/notebook/2026-12-the-defaults.md measured on the three workloads under
-    # these flags, with the fast path of docs/notebook/2026-12-fast-path.md
+    # these flags, with the rank cap and the fast path of docs/notebook/2026-12-fast-path.md
     recipe = dict(tau=0.05, powersgd_rank=31, warmup_fraction=0.01, cycle_fraction=0.015, split="tangent",
-                  sync_payload="lowrank", tangent_core="mean", linear_apply="auto", svd="update")
+                  sync_payload="lowrank", tangent_core="mean", linear_apply="auto", svd="update", rank_cap="pays")
     assert ABConfig() == ABConfig(**recipe) and ABConfig(**{**EARLIER_DEFAULTS, **recipe}) == ABConfig()
     # the split, the payload and the core follow the sync: the tangent merge needs only-learned
     new = ABConfig()
@@ -174,3 +174,10 @@ def test_output_layer_found_by_the_graph_and_the_floor_holds(warmup):
     assert method.ranks[0]["layers"]["grouped.weight"] == 44 and len(method.ranks) > 1
     assert all(d["layers"]["grouped.weight"] == 8 for d in method.ranks[1:])
     assert method.ranks[0]["step"] == warmup  # warm-up 0: decomposed before the first step
+
+
+def test_earlier_defaults_keep_the_rank_rule_uncapped():
+    # the earlier defaults predate the rank cap: their first decomposition keeps the full rank the rule chose,
+    # factors larger than W, as the runs measured with them did
+    method = _train_single({"rank_fraction": 0.1, "warmup_steps": 1, "rank_cap": EARLIER_DEFAULTS["rank_cap"]})
+    assert method.ranks[0]["layers"]["grouped.weight"] == 64
