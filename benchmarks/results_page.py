@@ -116,7 +116,10 @@ def per_seed(report: Report, row: dict) -> str:
 
 def megabytes(pair: list[float]) -> str:
     mean, spread = pair
-    return f"{mean / 1e6:.1f} MB" + (f" ± {spread / 1e6:.1f}" if spread else "")
+    if not spread:
+        return f"{mean / 1e6:.1f} MB"
+    # a spread below the table's 0.1 MB (a few hundred bytes of bookkeeping) is shown in kB, not as ± 0.0
+    return f"{mean / 1e6:.1f} MB ± " + (f"{spread / 1e6:.1f}" if spread >= 5e4 else f"{spread / 1e3:.1f} kB")
 
 
 def times_fewer(row: dict) -> str:

@@ -127,3 +127,9 @@ def test_readme_markers_are_required():
         assert "results:begin" in str(e)
     else:
         raise AssertionError("a README without the markers must be refused")
+
+
+def test_a_spread_of_bytes_below_the_tables_precision_is_shown_in_kilobytes():
+    assert rp.megabytes([746914965.0, 0.0]) == "746.9 MB"
+    assert rp.megabytes([746914965.0, 810.0]) == "746.9 MB ± 0.8 kB"
+    assert rp.megabytes([746914965.0, 2.5e6]) == "746.9 MB ± 2.5"
