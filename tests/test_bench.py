@@ -562,3 +562,23 @@ def test_time_split_speedup_cases():
               "methods": [{"method": "ddp", "status": "complete", "history": history}]}
     with pytest.raises(ValueError, match="never reach its final metric"):
         ts.split(report, 0.5)
+
+
+def test_comm_bound_summary_of_a_stored_report():
+    """benchmarks/comm_bound.py's arithmetic on the stored 20 Mbit/s report: the common level is the worst final
+    metric of the methods that communicate, DDP's link share is its wall less none's over its wall."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("comm_bound", os.path.join(root, "benchmarks", "comm_bound.py"))
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    with open(os.path.join(root, "docs", "results", "comm-bound-fashion-cnn", "s0", "report.json")) as f:
+        report = json.load(f)
+    s = cb.summarise(report)
+    runs = {m["method"]: m for m in report["methods"]}
+    assert s["common_target"] == min(m["metric"] for name, m in runs.items() if name != "none")
+    ddp, none = runs["ddp"], runs["none"]
+    assert s["ddp_link_share_measured"] == pytest.approx((ddp["wall_seconds"] - none["wall_seconds"]) / ddp["wall_seconds"])
+    assert s["ddp_link_seconds_predicted"] == pytest.approx(ddp["global_wire_bytes"] * 8 / 20e6)
+    rows = {r["method"]: r for r in s["rows"]}
+    assert rows["ddp"]["to_ddp_ratio"] == 1.0 and rows["ab"]["to_ddp"] is None  # AB ends below DDP's final accuracy
+    assert all(r["to_common"] is not None for name, r in rows.items() if name != "none")
