@@ -24,7 +24,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-from abtrain.bench.report import better_or_equal, first_reaching  # noqa: E402
+from abtrain.bench.netns import our_namespaces  # noqa: E402
+from abtrain.bench.report import time_to_reach  # noqa: E402
 
 METHODS = "none,ddp,powersgd,localsgd,diloco,ab"
 
@@ -43,11 +44,6 @@ def run_seed(args, seed: int) -> dict:
         return json.load(f)
 
 
-def seconds_to(run: dict, target: float, metric: str) -> float | None:
-    row = first_reaching(run["history"], target, metric)
-    return None if row is None else float(row["wall_seconds"])
-
-
 def summarise(report: dict) -> dict:
     metric = report["workload"]["metric"]
     rate = report["net"]["rate_bytes_per_s"]
@@ -56,10 +52,7 @@ def summarise(report: dict) -> dict:
     if ddp is None:
         raise SystemExit("comm_bound: DDP did not complete; nothing to compare against")
     finals = [m["metric"] for name, m in runs.items() if name != "none"]
-    common = finals[0]
-    for value in finals:  # the worst final metric: every method but none reaches it
-        if better_or_equal(common, value, metric):
-            common = value
+    common = max(finals) if metric == "perplexity" else min(finals)  # the worst final metric: every method reaches it
     link = ddp["global_wire_bytes"] / rate
     out = {"metric": metric, "rate_bytes_per_s": rate, "ddp_target": ddp["metric"], "common_target": common,
            "ddp_link_seconds_predicted": link, "rows": []}
@@ -67,9 +60,9 @@ def summarise(report: dict) -> dict:
         out["none_wall"] = none["wall_seconds"]
         out["ddp_link_share_measured"] = (ddp["wall_seconds"] - none["wall_seconds"]) / ddp["wall_seconds"]
         out["ddp_link_share_predicted"] = link / (link + none["wall_seconds"])
-    t_ddp, t_ddp_common = seconds_to(ddp, ddp["metric"], metric), seconds_to(ddp, common, metric)
+    t_ddp, t_ddp_common = time_to_reach(ddp["history"], ddp["metric"], metric), time_to_reach(ddp["history"], common, metric)
     for name, m in runs.items():
-        t, tc = seconds_to(m, ddp["metric"], metric), seconds_to(m, common, metric)
+        t, tc = time_to_reach(m["history"], ddp["metric"], metric), time_to_reach(m["history"], common, metric)
         measured = m.get("measured") or {}
         out["rows"].append({
             "method": name, "metric": m["metric"], "global_wire_bytes": m["global_wire_bytes"],
@@ -96,8 +89,7 @@ def main() -> int:
     result = {"workload": args.workload, "rate": args.rate, "methods": args.methods, "seeds": {}}
     for seed in seeds:
         result["seeds"][seed] = summarise(run_seed(args, seed))
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    result["namespaces_left"] = [line.split()[0] for line in left.splitlines() if line.startswith("abtb-")]
+    result["namespaces_left"] = our_namespaces()
 
     first = result["seeds"][seeds[0]]
     name = "perplexity" if first["metric"] == "perplexity" else "accuracy"
