@@ -65,7 +65,7 @@ model = method.prepare(Net())  # abtrain (was: model = DDP(Net()))
 if args.compile != "none":
     model = torch.compile(model, backend=args.compile)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
-warmup = total // 20
+warmup = max(1, total // 20)
 sched = torch.optim.lr_scheduler.LambdaLR(
     opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
 method.attach(opt)  # abtrain

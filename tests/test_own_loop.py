@@ -385,6 +385,50 @@ def test_habits_script_ledger_equals_the_bytes_on_the_links(tmp_path):
     assert abs(check["framed_payload_ratio"] - 1) <= 0.05
 
 
+# A user's script that initialises the world, then compiles: torch.compile imports torch._dynamo, which imports
+# torch.distributed.nn, whose default arguments take group.WORLD at import. Without abtrain's care that default
+# group outlived destroy_process_group(), as did the subgroup the method's Groups held, and their gloo threads
+# met the interpreter's shutdown: now and then a worker aborted at exit after a run that succeeded.
+NO_THREADS_LEFT = """
+import os, sys
+import torch, torch.distributed as dist
+from torch import nn
+import abtrain
+from abtrain.comm import topology
+
+dist.init_process_group("gloo")
+method = abtrain.setup("ab", total_steps=6, quiet=True, warmup_steps=2, cycle_steps=2)
+net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+model = torch.compile(method.prepare(net), backend="eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+method.attach(opt)
+for _ in range(6):
+    opt.zero_grad()
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+method.detach()
+if sys.argv[1] == "close":
+    method.close()
+dist.destroy_process_group()
+if sys.argv[1] == "exit":
+    topology._release_at_exit()  # what runs at exit, before the interpreter's shutdown
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(f"gloo threads left {sum(n.startswith(('pt_gloo', 'gloo')) for n in names)}")
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc")
+@pytest.mark.parametrize("ending", ["close", "exit"])
+def test_no_process_group_outlives_the_script_that_compiles_after_init(tmp_path, ending):
+    """Closed, or only destroyed and at exit: no gloo thread is left once the script destroyed its world."""
+    script = tmp_path / "script.py"
+    script.write_text(NO_THREADS_LEFT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script), ending]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.split("\n").count("gloo threads left 0") == 4, p.stdout  # a subgroup of 2 on every worker
+
+
 def _exported_in_consensus() -> dict:
     torch.manual_seed(0)
     method = _method("ab")

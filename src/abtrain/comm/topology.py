@@ -9,10 +9,14 @@ tells the ledger whether its traffic stays inside one group of workers
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
+import importlib
 import logging
 import os
+import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +26,52 @@ import torch.distributed as dist
 from .group import Group
 
 log = logging.getLogger(__name__)
+
+
+#: torch modules that evaluate ``group.WORLD`` into default arguments when first imported (``torch.compile``
+#: imports them with torch._dynamo). Imported while a default process group exists, they hold it for the rest of
+#: the process: ``destroy_process_group()`` no longer frees it, and its gloo threads, still holding their last
+#: tensors, meet the interpreter's shutdown, which can abort a run that succeeded ("terminate called without an
+#: active exception"). :func:`import_unbound` imports them while no default group shows.
+BIND_WORLD_AT_IMPORT = ("torch.distributed.nn", "torch.distributed._shard")
+
+
+def import_unbound() -> None:
+    """Import :data:`BIND_WORLD_AT_IMPORT` so that their defaults hold None (the default group, looked up at
+    each call), not the process group of this moment: before the world exists, or with it hidden meanwhile."""
+    if not dist.is_available():
+        return
+    missing = [name for name in BIND_WORLD_AT_IMPORT if name not in sys.modules]
+    if not missing:
+        return
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is not None:
+        dist.GroupMember.WORLD = None
+    try:
+        for name in missing:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # a torch build without it: nothing of it can hold the world either
+                pass
+    finally:
+        if world is not None:
+            dist.GroupMember.WORLD = world
+
+
+#: Every topology made by :meth:`Topology.from_env`, weakly: at exit, what they still reference is released
+_open: list[weakref.ref] = []
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """A script that destroyed its world without ``method.close()``: free the process groups abtrain still
+    references while the interpreter is whole (atexit runs before its shutdown; see :data:`BIND_WORLD_AT_IMPORT`)."""
+    for ref in _open:
+        topo = ref()
+        if topo is not None:
+            topo.release()
+    _open.clear()
+    gc.collect()
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -177,6 +227,7 @@ class Topology:
         process group when there is more than one worker; a world of one runs
         without any process group.
         """
+        import_unbound()
         joined = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if joined else _env_int("RANK", 0)
         world, local_world = world_from_env()
@@ -200,6 +251,7 @@ class Topology:
                    owns_world=not joined and dist.is_available() and dist.is_initialized())
         # Subgroup creation is collective: build them now, on every rank, in one order.
         topo.world, topo.group
+        _open[:] = [ref for ref in _open if ref() is not None] + [weakref.ref(topo)]
         return topo
 
     def close(self) -> None:
@@ -208,10 +260,12 @@ class Topology:
         The default process group is destroyed only when :meth:`from_env`
         initialised it; a world the user's script set up stays usable.
 
-        A process group kept alive by a reference cycle (DDP and its hooks) is
-        otherwise destructed during interpreter shutdown, when gloo's worker
-        threads can no longer take the GIL: the process aborts ("terminate
-        called without an active exception") after a run that succeeded.
+        A process group still referenced when the interpreter shuts down (a
+        reference cycle of DDP and its hooks, a Group kept by the method) is
+        destructed then, when gloo's worker threads can no longer take the GIL:
+        the process aborts ("terminate called without an active exception")
+        after a run that succeeded. So every Group this topology made lets go
+        of its process group here, whoever holds the Group.
         """
         if dist.is_available() and dist.is_initialized():
             if self.owns_world:
@@ -220,5 +274,11 @@ class Topology:
                 for group in self._groups.values():
                     if group.pg is not None and group.pg is not dist.group.WORLD:
                         dist.destroy_process_group(group.pg)  # a subgroup abtrain made
-        self._groups.clear()
+        self.release()
         gc.collect()
+
+    def release(self) -> None:
+        """Let go of the process groups (each Group's reference), destroying none."""
+        for group in self._groups.values():
+            group.release()
+        self._groups.clear()
