@@ -424,6 +424,20 @@ def test_paying_rank_is_the_largest_rank_whose_factors_are_smaller_than_w():
         assert not lr.factors_compress(m, n, r + 1)
 
 
+@pytest.mark.parametrize("memory", [0.0, 0.5, 1.0])
+def test_state_rank_is_the_largest_rank_within_ddps_state_for_w(memory):
+    """A worker training the longer factor holds (3 + moments) copies of it, the frozen factor and ``memory``
+    times W's numbers of error memory (0.5: kept in bfloat16); DDP holds (2 + moments) copies of W."""
+    for m, n, moments, extra in [(64, 288, 1, 0), (256, 1152, 2, 64 * 1152), (128, 128, 2, 31 * 128), (512, 128, 1, 0)]:
+        r = lr.state_rank(m, n, moments, memory=memory, extra=extra)
+
+        def held(rank):
+            return (3 + moments) * rank * max(m, n) + rank * min(m, n) + memory * m * n + extra
+
+        assert held(r) <= (2 + moments) * m * n < held(r + 1), (m, n, moments, memory, r)
+    assert lr.state_rank(256, 1152, 1, memory=0.5) > lr.state_rank(256, 1152, 1, memory=1.0)
+
+
 # ---------------------------------------------------------------------------
 # Rank rules
 

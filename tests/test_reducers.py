@@ -111,6 +111,26 @@ def test_powersgd_keeps_the_factors_of_what_it_delivered_when_asked():
         assert again == {} and after_plain == {} and not_kept == {}
 
 
+
+def test_powersgd_error_memory_in_bf16_is_the_rounded_residual_and_the_delivery_unchanged():
+    world = LocalWorld(2)
+
+    def worker(comm):
+        wide, narrow = PowerSGDReducer(comm, rank=2), PowerSGDReducer(comm, rank=2, error_dtype=torch.bfloat16)
+        out = []
+        for reducer in (wide, narrow):
+            grads = _grads(comm.rank, 0)
+            reducer.reduce(grads, world.group)
+            out.append((dict(grads), dict(reducer.errors)))
+            reducer.reduce(_grads(comm.rank, 1), world.group)  # the bf16 memory adds into an fp32 gradient
+        return out
+
+    for (got, errors), (got16, errors16) in world.run(worker):
+        assert all(torch.equal(got[n], got16[n]) for n in got)  # the memory only changes later steps
+        assert set(errors16) == set(errors) and all(e.dtype == torch.bfloat16 for e in errors16.values())
+        assert all(torch.equal(errors16[n], errors[n].to(torch.bfloat16)) for n in errors)
+
+
 def test_orthogonalize_gives_orthonormal_columns_for_both_algorithms():
     for rank in (2, 4):  # Gram-Schmidt, QR
         m = torch.randn(1, 30, rank, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)

@@ -52,6 +52,9 @@ class PowerSGDReducer(Reducer):
     from ``seed`` through one NumPy stream, one draw per new set of tensors
     (the same on every worker); with ``warm_start`` each Q starts from the last one.
 
+    ``error_dtype`` (bfloat16) keeps the error memories in that type: half their
+    memory; what the rounding loses is lost for good.
+
     ``wire_dtype`` (bfloat16) casts each buffer for its all-reduce
     and back; averages divide before the sum, as :class:`BF16AllReduce` does.
     The Ps are orthonormalised and M ≈ P·Qᵀ formed in the gradients' dtype from
@@ -61,7 +64,8 @@ class PowerSGDReducer(Reducer):
 
     def __init__(self, comm: Communicator, rank: int = 4, *, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 seed: int = 0, wire_dtype: torch.dtype | None = None, keep_factors: bool = False) -> None:
+                 seed: int = 0, wire_dtype: torch.dtype | None = None, keep_factors: bool = False,
+                 error_dtype: torch.dtype | None = None) -> None:
         super().__init__(comm)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
@@ -69,6 +73,7 @@ class PowerSGDReducer(Reducer):
         self.wire_dtype = wire_dtype
         self.min_compression_rate = min_compression_rate
         self.error_feedback = error_feedback
+        self.error_dtype = error_dtype
         self.warm_start = warm_start
         self.epsilon = orthogonalization_epsilon
         self.rng = np.random.RandomState(seed)
@@ -171,7 +176,8 @@ class PowerSGDReducer(Reducer):
                 self.qs.update((name, q) for (name, _, _), q in zip(low, qs))
         if self.error_feedback:
             for (name, g), before in zip(grads, sent):
-                self.errors[name] = before - g  # what this worker's gradient lost in the reduction
+                lost = before.sub_(g)  # what this worker's gradient lost in the reduction
+                self.errors[name] = lost if self.error_dtype is None else lost.to(self.error_dtype)
 
     def take_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """With ``keep_factors``: P (m×r) and Q (n×r) of each tensor the last call compressed (that tensor,

@@ -17,7 +17,7 @@ def paying_rank(m: int, n: int) -> int:
     return (m * n - 1) // (m + n)
 
 
-def state_rank(m: int, n: int, moments: int, memory: bool, extra: int = 0) -> int:
+def state_rank(m: int, n: int, moments: int, memory: float, extra: int = 0) -> int:
     """The largest rank at which the layer's training state on either role is no more than DDP's for W.
 
     DDP holds W, its gradient and ``moments`` per-element optimizer tensors: (2 + moments)·m·n numbers.
@@ -26,7 +26,7 @@ def state_rank(m: int, n: int, moments: int, memory: bool, extra: int = 0) -> in
     (the low-rank sync payload's), and ``extra`` numbers whatever the rank (warm-start factors). The factor
     with the longer side, r·max(m, n), is the costlier to train.
     """
-    budget = (2 + moments - (1 if memory else 0)) * m * n - extra
+    budget = int((2 + moments - memory) * m * n) - extra
     return max(0, budget // ((3 + moments) * max(m, n) + min(m, n)))
 
 

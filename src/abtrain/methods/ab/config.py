@@ -101,6 +101,7 @@ class ABConfig(Options):
     dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, or powersgd (--ab-powersgd-rank)", choices=DENSE_REDUCERS)
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd", choices=tuple(WIRE_DTYPES))
+    sync_memory_dtype: str = opt("fp32", "dtype of the low-rank sync's error memories (an m x n tensor per low-rank layer on every worker): bf16 holds them in half the bytes", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync's payload on the wire; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
     linear_apply: str = opt("auto", "how a low-rank nn.Linear applies its factors: weight (forms W = A B), factors (input times B^T, then A^T), or auto (fewer multiply-adds per call)", choices=lowrank.APPLY_MODES)
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")

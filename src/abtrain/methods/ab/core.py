@@ -78,7 +78,8 @@ class ABCore(Method):
         # sync_payload="lowrank": PowerSGD on the summed change of W, its error memories and warm-start Qs
         self._compressor = (PowerSGDReducer(comm, rank=self.cfg.sync_rank, min_compression_rate=1.0,
                                             orthogonalization_epsilon=1e-8, wire_dtype=self.wire_dtype,
-                                            keep_factors=self.cfg.svd == "update")
+                                            keep_factors=self.cfg.svd == "update",
+                                            error_dtype=WIRE_DTYPES[self.cfg.sync_memory_dtype])
                             if self.cfg.sync_payload == "lowrank" else None)
         # svd="update": each layer's W as the SVD its phase started from plus the sync's rank-q change, from the
         # sync to the decomposition that follows it in the same step (never across a step, so never checkpointed)
