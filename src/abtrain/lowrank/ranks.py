@@ -22,9 +22,10 @@ def state_rank(m: int, n: int, moments: int, memory: float, extra: int = 0) -> i
 
     DDP holds W, its gradient and ``moments`` per-element optimizer tensors: (2 + moments)·m·n numbers.
     A worker training one factor holds that factor, its gradient, its moments and its starting value (the
-    tangent merge's), (3 + moments) copies of it, the frozen factor, and with ``memory`` an m×n error memory
-    (the low-rank sync payload's), and ``extra`` numbers whatever the rank (warm-start factors). The factor
-    with the longer side, r·max(m, n), is the costlier to train.
+    tangent merge's), (3 + moments) copies of it, the frozen factor, ``memory`` times m·n numbers of error
+    memory (the low-rank sync payload's: 1 in W's dtype, 0.5 in half its width, 0 without one), and ``extra``
+    numbers whatever the rank (warm-start factors). The factor with the longer side, r·max(m, n), is the
+    costlier to train.
     """
     budget = int((2 + moments - memory) * m * n) - extra
     return max(0, budget // ((3 + moments) * max(m, n) + min(m, n)))
