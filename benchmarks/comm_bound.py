@@ -1,7 +1,7 @@
 """Time to accuracy where communication dominates: `abtrain bench --net` at a rate that makes DDP's run mostly link time.
 
     sudo .venv/bin/python benchmarks/comm_bound.py                       # fashion-cnn, 20 Mbit/s, seeds 0 and 1
-    sudo .venv/bin/python benchmarks/comm_bound.py --workload shakespeare-gpt --rate 20mbit
+    sudo .venv/bin/python benchmarks/comm_bound.py --workload shakespeare-gpt --rate 14mbit   # its rate: about 9 h
 
 Runs, for each seed, `abtrain bench --workload W --methods none,ddp,powersgd,localsgd,diloco,ab --net
 rate=R --extra "--seed S" --out OUT/sS` (2 nodes of 2 workers on the bench workloads; a seed whose

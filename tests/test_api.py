@@ -283,3 +283,27 @@ def test_conversion_diff_is_six_lines_and_the_example_is_it():
     example = (ROOT / "examples" / "own_loop.py").read_text().splitlines()
     marked = [ln for ln in example if re.search(r"\S  # abtrain( \(was: .*\))?$", ln)]
     assert len(marked) == 6 and not any(ln.strip().startswith("model = DDP(") for ln in example)
+
+
+def _state_capped_ranks(memory_dtype: str) -> dict:
+    method = abtrain.setup("ab", total_steps=3, quiet=True, warmup_steps=0, cycle_steps=3, rank_fraction=1.0,
+                           rank_cap="state", sync_memory_dtype=memory_dtype)
+    model = method.prepare(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                         nn.Linear(256, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # no momentum: no per-element optimizer state
+    with method.attach(opt):
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()
+    ranks = method.ranks[0]["layers"]
+    method.close()
+    return ranks
+
+
+@pytest.mark.parametrize("memory_dtype, share", [("fp32", 1.0), ("bf16", 0.5)])
+def test_the_state_cap_counts_the_syncs_error_memory_at_its_width(memory_dtype, share):
+    """--ab-rank-cap state keeps the layer within DDP's state for W, counting the low-rank sync's m x n error
+    memory at its width (half in bf16) beside the warm-start Qs of the sync (64) and of the full-rank phases'
+    PowerSGD (31)."""
+    ranks = run_world(_state_capped_ranks, 2, memory_dtype)[0]
+    assert ranks["2.weight"] == lowrank.state_rank(256, 256, 0, memory=share, extra=(64 + 31) * 256)
+    assert ranks["2.weight"] == {"fp32": 40, "bf16": 72}[memory_dtype]

@@ -153,9 +153,9 @@ class ABDecomposition(ABCore):
         else:  # the warm-start Qs the layer keeps too: the sync compressor's and the full-rank phases' PowerSGD's
             qs = [(self.cfg.sync_rank, self._compressor is not None),
                   (self.cfg.powersgd_rank, self.cfg.dense_comm == "powersgd")]
-            memory = 0.0 if self._compressor is None else (
-                1.0 if self._compressor.error_dtype is None else
-                self._compressor.error_dtype.itemsize / fp.A.dtype.itemsize)
+            memory = 0.0  # the sync's error memory, as a share of W's numbers
+            if self._compressor is not None:
+                memory = (self._compressor.error_dtype or fp.A.dtype).itemsize / fp.A.dtype.itemsize
             cap = lowrank.state_rank(fp.m, fp.n, moments, memory=memory,
                                      extra=sum(q * fp.n for q, used in qs if used))
         return max(cap, min(self.cfg.min_rank, fp.m, fp.n))
