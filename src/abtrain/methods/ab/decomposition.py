@@ -10,6 +10,8 @@ from ... import lowrank
 from ..memory import moments_per_element
 from .core import ABCore
 
+CONTIGUOUS = torch.contiguous_format
+
 
 class ABDecomposition(ABCore):
     """The decomposition part of :class:`~.method.ABTraining`: W split into A·B at an agreed rank per layer."""
@@ -114,7 +116,9 @@ class ABDecomposition(ABCore):
         sync). Every worker then holds the same U, σ and Vᵀ bit for bit, so every merge gives the same W."""
         if self.cfg.split == "tangent":
             a_role = self._trained_role() == "A"
-            self._bases = {fp.name: ((s.U[:, :fp.rank] if a_role else s.Vh[:fp.rank]).clone(), s.S[:fp.rank].clone())
+            # contiguous, as the factors are: an operand's layout picks the BLAS kernel, and so its rounding
+            self._bases = {fp.name: ((s.U[:, :fp.rank] if a_role else s.Vh[:fp.rank]).clone(memory_format=CONTIGUOUS),
+                                     s.S[:fp.rank].clone())
                            for fp, s in zip(records, svds) if fp.mode == "lowrank"}
 
     def _svd(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
