@@ -5,9 +5,9 @@
 
 One process trains the workload's model with its recipe (optimizer, learning rate and schedule, weight decay,
 label smoothing, clipping) and step budget on the global batch (workers x batch size), every layer that
-AB-training factorises (every weight of 2 or more dims outside the full-rank patterns: stem, head, embeddings)
-replaced by factors A (m x r) and B (r x n) trained together at every step, r = min(rank, the largest rank
-whose factors are smaller than W), split from W's initial SVD. Rank 0 trains the dense model. This is plain
+AB-training factorises by default (abtrain.lowrank.prepare_model: not the stem, head or embeddings) split
+from W's initial SVD into factors A (m x r) and B (r x n) trained together at every step, r = min(rank, the
+largest rank whose factors are smaller than W). Rank 0 trains the dense model. This is plain
 low-rank training with every gradient averaged (what DDP on the factors would compute), so it bounds what a
 method that trains the factors with less communication can reach at those ranks in the same budget.
 
@@ -15,7 +15,6 @@ method that trains the factors with less communication can reach at those ranks 
 AB-training groups gives it. Prints a table and writes JSON (OUT/lowrank_ceiling.json).
 """
 import argparse
-import fnmatch
 import json
 import math
 import os
@@ -24,7 +23,6 @@ import sys
 import time
 
 import torch
-import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,44 +32,20 @@ from abtrain.bench.workloads import get_workload  # noqa: E402
 from abtrain.cli import build_parser, config_from_args  # noqa: E402
 from abtrain.data import load_dataset, steps_per_epoch  # noqa: E402
 from abtrain.models import build_model, criterion  # noqa: E402
+from abtrain.methods.ab.config import ABConfig  # noqa: E402
 from abtrain.run.plan import build_optimizer, lr_lambda  # noqa: E402
 
-
-class Factors(nn.Module):
-    """W = (A B) in W's shape: the parametrisation's parameters are A and B (right_inverse splits W by its SVD)."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-
-    def forward(self, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        return (A @ B).reshape(self.shape)
-
-    def right_inverse(self, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.shape = W.shape
-        U, S, Vh = torch.linalg.svd(W.reshape(W.shape[0], -1), full_matrices=False)
-        root = S[:self.rank].sqrt()
-        return U[:, :self.rank] * root, root[:, None] * Vh[:self.rank]
+MIN_RANK = ABConfig().min_rank  # AB-training's rank floor: a layer it would not factorise stays whole here too
 
 
-def factorise(model: nn.Module, rank: int) -> list[str]:
-    """Replace every factorisable weight by jointly trained rank-r factors; returns what was done per layer."""
-    said = []
-    for name, module in list(model.named_modules()):
-        w = getattr(module, "weight", None)
-        pname = f"{name}.weight"
-        if not isinstance(w, nn.Parameter) or w.ndim < 2 or parametrize.is_parametrized(module):
-            continue
-        if any(fnmatch.fnmatch(pname, p) for p in lowrank.DEFAULT_FULL_RANK_PATTERNS):
-            continue
-        m, n = w.shape[0], w[0].numel()
-        r = min(rank, lowrank.paying_rank(m, n))
-        if r < 1:
-            said.append(f"{pname} {m}x{n}: full rank (no rank pays)")
-            continue
-        parametrize.register_parametrization(module, "weight", Factors(r), unsafe=True)
-        said.append(f"{pname} {m}x{n}: rank {r}")
-    return said
+def factorise(model: nn.Module, rank: int) -> list[lowrank.FactorizedParam]:
+    """Split every layer AB-training factorises (:func:`abtrain.lowrank.prepare_model`, the default full-rank
+    patterns and rank floor) into A·B at min(rank, its paying rank) from W's SVD, both factors trained.
+    Build the optimizer after this call."""
+    records = lowrank.prepare_model(model, min_rank=MIN_RANK)
+    lowrank.decompose_all(records, [min(rank, lowrank.paying_rank(fp.m, fp.n)) for fp in records])
+    lowrank.set_trainable(records, "both")
+    return records
 
 
 def train(workload, rank: int, seed: int, share: float) -> dict:
@@ -83,8 +57,9 @@ def train(workload, rank: int, seed: int, share: float) -> dict:
     torch.manual_seed(seed)
     model = build_model(cfg.model, ds)
     dense = sum(p.numel() for p in model.parameters())
-    layers = factorise(model, rank) if rank > 0 else []
-    params = sum(p.numel() for p in model.parameters())
+    records = factorise(model, rank) if rank > 0 else []
+    params = lowrank.ab_param_count(model, records) if records else dense
+    layers = [f"{fp.name} {fp.m}x{fp.n}: rank {fp.rank}" for fp in records]
     batch = max(1, round(share * cfg.workers * cfg.batch_size))
     total = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch(len(ds.train), cfg.workers,
                                                                                   cfg.batch_size)

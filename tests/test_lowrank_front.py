@@ -1,5 +1,5 @@
 """benchmarks/ab_front.py (every configuration against its table's DDP, the Pareto front) on hand-made tables, and
-benchmarks/lowrank_ceiling.py (jointly trained factors) on the tiny workload."""
+benchmarks/lowrank_ceiling.py (jointly trained factors) on a small model and the tiny workload."""
 
 from __future__ import annotations
 
@@ -74,20 +74,22 @@ def test_each_point_is_measured_against_its_own_tables_ddp_and_the_front_keeps_t
     assert empty.returncode == 2 and "no ab_configs table with a ddp row" in empty.stderr
 
 
-def test_the_ceilings_factors_rebuild_w_and_only_the_layers_ab_training_factorises_are_replaced():
+def test_the_ceiling_factorises_what_ab_training_does_and_trains_both_factors():
     ceiling = _module(CEILING, "lowrank_ceiling")
     torch.manual_seed(0)
-    conv = torch.nn.Conv2d(4, 6, 3)
-    w = conv.weight.detach().clone()
-    torch.nn.utils.parametrize.register_parametrization(conv, "weight", ceiling.Factors(6), unsafe=True)
-    assert torch.allclose(conv.weight, w, atol=1e-5)  # rank min(6, 36): exact
     model = torch.nn.Sequential()
     model.add_module("stem", torch.nn.Linear(10, 64))
     model.add_module("hidden", torch.nn.Linear(64, 64))
     model.add_module("head", torch.nn.Linear(64, 3))
-    said = ceiling.factorise(model, 100)
-    assert said == ["hidden.weight 64x64: rank 31"]  # capped where the factors pay: 31·128 < 64·64
-    assert sum(p.numel() for p in model.parameters()) == 10 * 64 + 64 + 31 * 128 + 64 + 64 * 3 + 3
+    w = model.hidden.weight.detach().clone()
+    records = ceiling.factorise(model, 100)
+    assert [(fp.name, fp.rank) for fp in records] == [("hidden.weight", 31)]  # capped where factors pay: 31·128 < 64·64
+    fp = records[0]
+    assert fp.A.requires_grad and fp.B.requires_grad and not fp.weight.requires_grad
+    u, s, vh = torch.linalg.svd(w)
+    assert torch.allclose(fp.A @ fp.B, (u[:, :31] * s[:31]) @ vh[:31], atol=1e-5)  # W's best rank-31 approximation
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trained == 10 * 64 + 64 + 31 * 128 + 64 + 64 * 3 + 3
 
 
 def test_the_ceiling_script_trains_the_tiny_workload_and_writes_its_table(tmp_path):

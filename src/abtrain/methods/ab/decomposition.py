@@ -10,8 +10,6 @@ from ... import lowrank
 from ..memory import moments_per_element
 from .core import ABCore
 
-CONTIGUOUS = torch.contiguous_format
-
 
 class ABDecomposition(ABCore):
     """The decomposition part of :class:`~.method.ABTraining`: W split into A·B at an agreed rank per layer."""
@@ -113,12 +111,12 @@ class ABDecomposition(ABCore):
 
         The frozen factor already is Vᵀ (A-workers) or U (B-workers), so only the other singular vectors and σ
         are kept: a copy of one factor, not of the whole SVD (:meth:`_basis` puts the three together at the
-        sync). Every worker then holds the same U, σ and Vᵀ bit for bit, so every merge gives the same W."""
+        sync). Every worker then holds the same U, σ and Vᵀ bit for bit and in the same (contiguous) layout as the
+        factors, so every merge gives the same W: an operand's layout picks the BLAS kernel, and so its rounding."""
         if self.cfg.split == "tangent":
             a_role = self._trained_role() == "A"
-            # contiguous, as the factors are: an operand's layout picks the BLAS kernel, and so its rounding
-            self._bases = {fp.name: ((s.U[:, :fp.rank] if a_role else s.Vh[:fp.rank]).clone(memory_format=CONTIGUOUS),
-                                     s.S[:fp.rank].clone())
+            self._bases = {fp.name: ((s.U[:, :fp.rank] if a_role else s.Vh[:fp.rank])
+                                     .clone(memory_format=torch.contiguous_format), s.S[:fp.rank].clone())
                            for fp, s in zip(records, svds) if fp.mode == "lowrank"}
 
     def _svd(self, fp: lowrank.FactorizedParam) -> lowrank.SVD:
