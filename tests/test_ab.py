@@ -17,6 +17,7 @@ from abtrain.comm.communicator import Communicator
 from abtrain.comm.topology import Topology
 from abtrain.config import merge
 from abtrain.methods.ab import PAPER, ABConfig, ABTraining
+from abtrain.methods.memory import dense_training_state_bytes, training_state_parts
 from helpers import run_world
 
 T_W, K, F = 3, 6, 2  # syncs at the multiples of K: after steps 6, 12, 18; rebounds 6-7, 12-13; truncation at 8 and 14
@@ -159,7 +160,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-2))
     out = {"rank": topo.rank, "role": method.role, "syncs": [], "steps": [], "ledger_by_step": [],
-           "group_ranks": out_group_ranks, "decomposed": {}}
+           "group_ranks": out_group_ranks, "decomposed": {}, "decomposed_other": {}}
     sync_due: dict = {}
 
     def before_the_method(optimizer, args, kwargs):
@@ -168,6 +169,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
         sync, decompose = method.schedule.events(method.t + 1)
         if decompose and not sync:  # the W the decomposition cuts (it releases W's storage)
             out["decomposed"][method.t + 1] = {fp.name: fp.effective_weight().clone() for fp in method.records}
+            out["decomposed_other"][method.t + 1] = _snapshot(method, model)["other"]
         if sync:
             sync_due["before"] = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone())
                                   for fp in method.records if fp.mode == "lowrank"}
@@ -212,6 +214,9 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
                                                   for fp in method.records},
                                  "moments": _moments(method, opt)})
             out["ledger_by_step"].append(copy.deepcopy(comm.ledger.summary()["by_phase"]))
+            if method.t == 1:  # a warm-up step: what a worker holds to train the dense model
+                out["warmup_state"] = training_state_parts(model, opt, method)
+                out["dense_params"] = sum(p.numel() for p in model.parameters())
     out["final"] = _snapshot(method, model)  # after attach() ended, as the run leaves the model
     out["final_modes"] = {fp.name: fp.mode for fp in method.records}
     out["ranks_log"] = method.ranks
@@ -271,6 +276,10 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "no-sync-moments": ({"rank_fraction": 0.25, "sync_moments": False}, "sgd", T_W + K, False),
     # abtrain's defaults end to end, planned, the run ending with a sync on its last step (3K)
     "defaults": ({"defaults": True}, "sgd", 3 * K, True),
+    # the defaults with full-rank phases of local steps (no gradient averaged), fp32 on the wire; the run ends in
+    # a rebound
+    "local": ({"defaults": True, "dense_comm": "local", "rebound_steps": F, "sync_dtype": "fp32"}, "sgd", STEPS,
+              False),
     "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
     "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
 }
@@ -686,6 +695,38 @@ def test_the_defaults_run_end_to_end_and_leave_the_last_syncs_model(runs):
         assert set(w["final_modes"].values()) == {"full"}
         for name, weight in w["final"]["W"].items():
             assert torch.equal(weight, merged[name]), name
+
+
+def test_local_full_rank_phases_send_nothing_and_average_the_model_before_each_decomposition(runs):
+    """--ab-dense-comm local: warm-up and rebound steps average no gradient, so the workers' models drift apart;
+    the decomposition that ends each such phase first averages the model over every worker and the optimizer's
+    moments inside each group, and a run that ends in a rebound ends with that average too."""
+    outs = runs["local"]
+    o = outs[0]
+    for step in o["ledger_by_step"]:
+        assert "warmup" not in step and "rebound" not in step  # nothing sent in a full-rank phase
+    for w in outs:  # no error memory, no warm-start Q: the warm-up holds what DDP holds, to the byte
+        assert sum(w["warmup_state"].values()) == dense_training_state_bytes(w["dense_params"], 1)
+    assert sum(runs["defaults"][0]["warmup_state"].values()) > dense_training_state_bytes(o["dense_params"], 1)
+    first = [w["steps"][0]["after"]["other"]["stem.weight"] for w in outs]
+    assert not torch.equal(first[0], first[1])  # each worker stepped on its own data alone
+    cuts = sorted(o["decomposed_other"])
+    assert cuts == [T_W, K + F, 2 * K + F]
+    for t in cuts:
+        for name in o["decomposed_other"][t]:
+            mean = sum(w["decomposed_other"][t][name] for w in outs) / len(outs)
+            for w in outs:
+                assert torch.allclose(w["steps"][t - 1]["after"]["other"][name], mean, atol=1e-6), (t, name)
+        for w in outs:  # the moments of the factor each worker trains start alike inside its group
+            mates = [v for v in outs if v["role"] == w["role"]]
+            for name, moment in w["steps"][t - 1]["moments"].items():
+                assert all(torch.equal(moment, v["steps"][t - 1]["moments"][name]) for v in mates), (t, name)
+    apart = [w["steps"][-1]["after"]["other"]["stem.weight"] for w in outs]  # after the last rebound step
+    assert not torch.equal(apart[0], apart[2])
+    for w in outs:  # the run ends in a rebound: averaged once more
+        assert set(w["final_modes"].values()) == {"full"}
+        for key, value in _tensors(w["final"]).items():
+            assert torch.equal(value, _tensors(o["final"])[key]), key
 
 
 def test_only_b_over_the_world_trains_b_with_dp_everywhere(runs):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ..comm.communicator import Communicator
 from .powersgd import PowerSGDReducer
-from .reducer import AllReduce, BF16AllReduce, Reducer
+from .reducer import AllReduce, BF16AllReduce, NoReduce, Reducer
 from .wire import WIRE_DTYPES
 
-DENSE_REDUCERS = ("fp32", "bf16", "powersgd")
+DENSE_REDUCERS = ("fp32", "bf16", "powersgd", "local")
 
 
 def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0,
@@ -17,6 +17,8 @@ def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0,
         return AllReduce(comm)
     if kind == "bf16":
         return BF16AllReduce(comm)
+    if kind == "local":
+        return NoReduce(comm)
     if kind == "powersgd":
         return PowerSGDReducer(comm, rank=rank, seed=seed, orthogonalization_epsilon=1e-8,
                                wire_dtype=WIRE_DTYPES[powersgd_dtype])

@@ -66,6 +66,14 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += t.numel()
 
 
+class NoReduce(Reducer):
+    """Leaves every worker's gradients as they are: steps that each worker takes alone, whose model the method
+    averages itself when the phase ends (AB-training's ``--ab-dense-comm local``). Sends nothing, holds nothing."""
+
+    def reduce(self, grads: NamedGrads, group: Group) -> None:
+        return None
+
+
 class AllReduce(Reducer):
     """Plain averaging: one flat all-reduce per dtype (sum, then divide by the group size)."""
 

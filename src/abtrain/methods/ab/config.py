@@ -98,7 +98,7 @@ class ABConfig(Options):
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
-    dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, or powersgd (--ab-powersgd-rank)", choices=DENSE_REDUCERS)
+    dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, powersgd (--ab-powersgd-rank), or local (not at all: each worker steps alone and the model is averaged once, before the decomposition that ends the phase)", choices=DENSE_REDUCERS)
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
     powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd", choices=tuple(WIRE_DTYPES))
     sync_memory_dtype: str = opt("fp32", "dtype of the low-rank sync's error memories (an m x n tensor per low-rank layer on every worker): bf16 holds them in half the bytes", choices=tuple(WIRE_DTYPES))

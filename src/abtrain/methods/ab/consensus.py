@@ -31,7 +31,10 @@ class ABConsensus(ABSync, ABDecomposition):
         return state
 
     def in_consensus(self) -> bool:
-        # Workers differ only while groups train apart: inside an AB phase after its first step.
+        # Workers differ while groups train apart (inside an AB phase after its first step) and after full-rank
+        # steps each worker took alone (dense_comm="local").
+        if self.apart_locally():
+            return False
         if self.phase != "ab" or self.t in (self._switch_step, self._agreed_at):
             return True
         return self.train_group is self.topo.world
@@ -56,6 +59,9 @@ class ABConsensus(ABSync, ABDecomposition):
         optimizer = self._optimizer
         if optimizer is None:
             raise ValueError("consensus() inside an AB phase needs the optimizer: call method.attach(opt) first")
+        if self.apart_locally():  # a full-rank phase of local steps: the model averaged, nothing cut
+            self._average_local(optimizer)
+            return
         ranks = {fp.name: fp.rank for fp in self.records if fp.mode == "lowrank"}
         self._sync(optimizer)
         low = [fp for fp in self.records if fp.name in ranks]
@@ -67,7 +73,9 @@ class ABConsensus(ABSync, ABDecomposition):
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         """End inside an AB phase with a last sync, so that every worker holds the same full-rank model."""
-        if not self.in_consensus():
+        if self.apart_locally():  # a run that ends in a full-rank phase of local steps
+            self._average_local(optimizer)
+        elif not self.in_consensus():
             self._sync(optimizer)
             self._parts = {}  # no decomposition follows
             self._switch_step = self.t

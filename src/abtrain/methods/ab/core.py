@@ -19,7 +19,7 @@ from ...comm.topology import Topology
 from ...compress.dense import build_reducer
 from ...compress.powersgd import PowerSGDReducer
 from ...compress.wire import WIRE_DTYPES
-from ..base import Method
+from ..base import Method, optimizer_moments
 from .buckets import OverlappedAverage
 from .config import ABConfig, check_topology
 from .schedule import Schedule
@@ -113,6 +113,31 @@ class ABCore(Method):
     @property
     def phase(self) -> str:
         return self.phase_at(self.t)
+
+    def ends_local_phase(self) -> bool:
+        """dense_comm="local": the step just taken (``t - 1``) was a full-rank step each worker took alone."""
+        return self.cfg.dense_comm == "local" and self.t > 0 and self.phase_at(self.t - 1) != "ab"
+
+    def apart_locally(self) -> bool:
+        """dense_comm="local", inside a warm-up or rebound after its first step: each worker's steps were its own,
+        and no average (:meth:`_average_local`) has brought the workers together since."""
+        return self.ends_local_phase() and self.phase != "ab" and self._agreed_at != self.t
+
+    @torch.no_grad()
+    def _average_local(self, optimizer: torch.optim.Optimizer) -> None:
+        """dense_comm="local": the full-rank steps since the last sync were each worker's own. One all-reduce over
+        every worker averages the model (parameters and floating-point buffers, in the sync's wire dtype), one
+        inside each group the optimizer's moments, so that the decomposition that follows starts from one W and
+        the workers of a group, which average their gradients from then on, step alike."""
+        with torch.profiler.record_function("abtrain::ab::average_local"), self.comm.ledger.in_phase("sync"):
+            params = [p for p in self.module.parameters() if p.is_floating_point()]
+            buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+            self.comm.all_reduce_tensors(params + buffers, self.topo.world, wire_dtype=self.wire_dtype)
+            moments = optimizer_moments(optimizer, params)
+            if moments and self.train_group.size > 1:
+                self.comm.all_reduce_tensors(moments, self.train_group, wire_dtype=self.wire_dtype)
+        self._agreed_at = self.t
+        self.note_state_change()
 
     def _trained_role(self) -> str:
         return "B" if self.cfg.sync == "only-b" else self.role

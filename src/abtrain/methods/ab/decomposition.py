@@ -15,6 +15,8 @@ class ABDecomposition(ABCore):
     """The decomposition part of :class:`~.method.ABTraining`: W split into A·B at an agreed rank per layer."""
 
     def _decompose(self, optimizer: torch.optim.Optimizer, truncate: bool) -> None:
+        if self.ends_local_phase():
+            self._average_local(optimizer)  # the workers stepped alone since the last sync: one W first
         start = time.perf_counter()
         records = [fp for fp in self.records if fp.name not in self.kept]
         with torch.profiler.record_function("abtrain::ab::decompose"), self.comm.ledger.in_phase("sync"):
