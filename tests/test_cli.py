@@ -28,6 +28,17 @@ def run(args, **kw):
     return subprocess.run(ABTRAIN + list(args), capture_output=True, text=True, timeout=240, env=env, **kw)
 
 
+def test_ddp_with_adamw_holds_its_formulas_training_state(tmp_path):
+    """AdamW keeps a step count per parameter tensor besides its two moments: DDP's figure counts it too, so a
+    DDP run holds exactly the training state its formula gives for the same model."""
+    out = tmp_path / "run"
+    p = run(["train", "--method", "ddp", "--workers", "2", "--model", "mlp", "--dataset", "synthetic",
+             "--optimizer", "adamw", "--out", str(out), *TINY])
+    assert p.returncode == 0, p.stderr
+    r = json.loads((out / "results.json").read_text())
+    assert r["training_state_bytes"] == r["ddp_equivalent"]["training_state_bytes"] > 4 * 4 * r["params"]
+
+
 def test_ddp_end_to_end(tmp_path, fashion_dir):
     out = tmp_path / "run"
     p = run(["train", "--method", "ddp", "--workers", "2", "--data-dir", str(fashion_dir), "--model", "cnn",

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain.methods.memory import (dense_training_state_bytes, moments_per_element, storage_bytes,
-    training_state_bytes, training_state_parts)
+from abtrain.methods.memory import (dense_training_state_bytes, moments_per_element, scalar_state_bytes,
+    storage_bytes, training_state_bytes, training_state_parts)
 
 
 def _step(model, opt):
@@ -29,9 +29,14 @@ def test_a_dense_model_holds_what_the_formula_says(make_opt, moments):
     assert moments_per_element(opt) == moments  # read from the settings before the first step
     _step(model, opt)
     assert moments_per_element(opt) == moments
-    # Adam's step counts are scalars of 4 bytes each (one per parameter tensor), not per-element state
-    scalars = 4 * len(list(model.parameters())) if moments == 2 else 0
+    # Adam's step counts are scalars of 4 bytes each (one per parameter tensor), not per-element state;
+    # DDP's figure counts them per tensor of the dense model
+    tensors = len(list(model.parameters()))
+    assert scalar_state_bytes(opt) == (4 if moments == 2 else 0)
+    scalars = 4 * tensors if moments == 2 else 0
     assert training_state_bytes(model, opt) == dense_training_state_bytes(params, moments) + scalars
+    assert training_state_bytes(model, opt) == dense_training_state_bytes(
+        params, moments, tensors=tensors, scalar_bytes=scalar_state_bytes(opt))
 
 
 def test_views_of_one_storage_count_once_and_a_methods_tensors_count():

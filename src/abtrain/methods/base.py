@@ -327,7 +327,7 @@ class Method(LoopContract):
         """This worker's run so far, as results.json has it: the dense model's parameters, the model as it
         trains, the most training state held against DDP's, the ledger's bytes and DDP's for the same steps."""
         from ..run.results import ddp_equivalent
-        from .memory import dense_training_state_bytes, moments_per_element
+        from .memory import dense_training_state_bytes, moments_per_element, scalar_state_bytes
 
         module = self.module
         params = (lowrank.full_param_count(module, self.records) if getattr(self, "records", None)
@@ -335,7 +335,11 @@ class Method(LoopContract):
         ddp = ddp_equivalent(params, self.topo.world_size, self.topo.group_size, self.steps)
         optimizer = self._attached[0] if self._attached is not None else self._last_optimizer
         if optimizer is not None:
-            ddp["training_state_bytes"] = dense_training_state_bytes(params, moments_per_element(optimizer))
+            records = getattr(self, "records", None) or []
+            skip = {id(t) for fp in records for t in (fp.A, fp.B)}  # W stays registered: one tensor per layer
+            tensors = sum(1 for p in module.parameters() if id(p) not in skip) if module is not None else 0
+            ddp["training_state_bytes"] = dense_training_state_bytes(
+                params, moments_per_element(optimizer), tensors=tensors, scalar_bytes=scalar_state_bytes(optimizer))
         return {"method": self.name, "world_size": self.topo.world_size, "group_size": self.topo.group_size,
                 "steps": self.steps, "params": params, "model_params": params, "compression_ratio": None,
                 "training_state_bytes": self.peak_state_bytes or None, "training_state_by_phase": self.peak_state,

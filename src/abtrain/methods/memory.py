@@ -7,7 +7,7 @@ storage counted once however many tensors view it. Activations, the data and
 communication buffers are not part of it (DDP's gradient buckets are not
 counted either). :func:`dense_training_state_bytes` is the same figure for the
 dense model trained with DDP: parameters, gradients and the optimizer's
-per-element state, nothing else.
+state (per element, and per tensor such as AdamW's step count), nothing else.
 """
 
 from __future__ import annotations
@@ -119,7 +119,22 @@ def moments_per_element(optimizer: torch.optim.Optimizer) -> int:
     return most
 
 
-def dense_training_state_bytes(params: int, moments: int, element_bytes: int = 4) -> int:
-    """DDP's training state for a dense model of ``params`` parameters: the parameters, their gradients and
-    ``moments`` per-element optimizer tensors, ``element_bytes`` each (no communication buffers)."""
-    return params * element_bytes * (2 + moments)
+def scalar_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state a parameter tensor holds besides its per-element tensors (AdamW's step count, a
+    4-byte tensor; none for SGD), the most any parameter of more than one element has."""
+    most = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.numel() > 1:
+                state = optimizer.state.get(p, {}).values()
+                most = max(most, sum(v.numel() * v.element_size() for v in state
+                                     if torch.is_tensor(v) and v.shape != p.shape))
+    return most
+
+
+def dense_training_state_bytes(params: int, moments: int, element_bytes: int = 4, tensors: int = 0,
+                               scalar_bytes: int = 0) -> int:
+    """DDP's training state for a dense model of ``params`` parameters in ``tensors`` tensors: the parameters,
+    their gradients and ``moments`` per-element optimizer tensors, ``element_bytes`` each, and ``scalar_bytes``
+    of the optimizer's per-tensor state (:func:`scalar_state_bytes`) for each tensor (no communication buffers)."""
+    return params * element_bytes * (2 + moments) + tensors * scalar_bytes

@@ -145,8 +145,10 @@ def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: in
                    resumes: list[dict[str, Any]], memory: dict[str, Any] | None = None) -> dict[str, Any]:
     """The content of results.json: the run's identity, final metrics, the ledger's summary, the history.
 
-    ``memory``: ``training_state_bytes`` (the most any worker held after a step) and ``moments_per_element``
-    (the optimizer's per-element state tensors, which DDP's training state of the same model counts)."""
+    ``memory``: ``training_state_bytes`` (the most any worker held after a step), ``moments_per_element``
+    (the optimizer's per-element state tensors), ``scalar_state_bytes`` (its state per parameter tensor besides
+    those) and ``param_tensors`` (the dense model's parameter tensors), which DDP's training state of the same
+    model counts."""
     import torch
 
     from .._version import __version__
@@ -155,7 +157,9 @@ def results_record(cfg: Any, topo: Any, history: list[dict[str, Any]], steps: in
     memory = memory or {}
     ddp = ddp_equivalent(params, topo.world_size, topo.group_size, steps)
     if "moments_per_element" in memory:
-        ddp["training_state_bytes"] = dense_training_state_bytes(params, memory["moments_per_element"])
+        ddp["training_state_bytes"] = dense_training_state_bytes(params, memory["moments_per_element"],
+                                                                 tensors=memory.get("param_tensors", 0),
+                                                                 scalar_bytes=memory.get("scalar_state_bytes", 0))
 
     last = history[-1]
     return {

@@ -18,7 +18,7 @@ from ..comm.ledger import Ledger
 from ..comm.topology import Topology
 from ..config import TrainConfig
 from ..data import batches, shard_indices
-from ..methods.memory import moments_per_element
+from ..methods.memory import moments_per_element, scalar_state_bytes
 from ..models import count_parameters
 from . import checkpoint as ckpt
 from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
@@ -52,6 +52,7 @@ class Trainer:
         self.comm = Communicator(self.ledger, topo.device)
         self.model = plan.model.to(topo.device)
         self.params = count_parameters(self.model)
+        self.param_tensors = sum(1 for p in self.model.parameters() if p.requires_grad)  # the dense model's
         torch.manual_seed(cfg.seed * 1000 + 1 + topo.rank)  # per-worker stream (dropout)
         self.method = cfg.method_spec.build(self.comm, topo, **method_options(cfg))
         self.forward_module = self.method.prepare(self.model)
@@ -370,6 +371,8 @@ class Trainer:
         if not self.is_main:
             return None
         memory["moments_per_element"] = moments_per_element(self.optimizer)
+        memory["scalar_state_bytes"] = scalar_state_bytes(self.optimizer)
+        memory["param_tensors"] = self.param_tensors
         results = results_record(self.cfg, self.topo, self.history, self.step, self.steps_per_epoch, self.params,
                                  self.wall, memory.pop("peak_rss_bytes"), comm, self.method.extra_results(),
                                  self.resumes, memory)
