@@ -310,6 +310,9 @@ def test_every_parameter_fate_is_printed_and_the_summary_compares_with_ddp():
     # DDP for the same 8 steps: a ring all-reduce of every parameter in fp32 over the 4 workers.
     assert results["ddp_equivalent"]["wire_bytes"] == pytest.approx(8 * 2 * 3 / 4 * 4 * results["params"])
     assert results["compression_ratio"] is not None and results["training_state_bytes"] > 0
+    # DDP's training state of the dense model with AdamW: parameters, gradients, two moments, a step count a tensor
+    tensors = len(list(Tied().parameters()))
+    assert results["ddp_equivalent"]["training_state_bytes"] == 4 * 4 * results["params"] + 4 * tensors
     for piece in ("abtrain ab | 4 workers in groups of 2 | 8 steps", "compression", "training state",
                   "by phase", "DDP, same steps", "versus DDP"):
         assert piece in summary, piece
