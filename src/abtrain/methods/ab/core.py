@@ -129,8 +129,9 @@ class ABCore(Method):
         every worker averages the model (parameters and floating-point buffers, in the sync's wire dtype), one
         inside each group the optimizer's moments, so that the decomposition that follows starts from one W and
         the workers of a group, which average their gradients from then on, step alike."""
+        factors = {id(t) for fp in self.records for t in (fp.A, fp.B)}  # not trained in a full-rank phase
         with torch.profiler.record_function("abtrain::ab::average_local"), self.comm.ledger.in_phase("sync"):
-            params = [p for p in self.module.parameters() if p.is_floating_point()]
+            params = [p for p in self.module.parameters() if p.is_floating_point() and id(p) not in factors]
             buffers = [b for b in self.module.buffers() if b.is_floating_point()]
             self.comm.all_reduce_tensors(params + buffers, self.topo.world, wire_dtype=self.wire_dtype)
             moments = optimizer_moments(optimizer, params)
