@@ -708,6 +708,10 @@ def test_local_full_rank_phases_send_nothing_and_average_the_model_before_each_d
     for w in outs:  # no error memory, no warm-start Q: the warm-up holds what DDP holds, to the byte
         assert sum(w["warmup_state"].values()) == dense_training_state_bytes(w["dense_params"], 1)
     assert sum(runs["defaults"][0]["warmup_state"].values()) > dense_training_state_bytes(o["dense_params"], 1)
+    # the warm-up's end: one fp32 all-reduce of the parameters and float buffers over everyone, one of SGD's
+    # momentum (one per parameter element) inside the group; the first decomposition sends nothing else
+    sent = o["ledger_by_step"][T_W - 1]["sync"]
+    assert sent["calls"] == 2 and sent["payload_bytes"] == 4 * (2 * o["dense_params"] + o["float_buffers"])
     first = [w["steps"][0]["after"]["other"]["stem.weight"] for w in outs]
     assert not torch.equal(first[0], first[1])  # each worker stepped on its own data alone
     cuts = sorted(o["decomposed_other"])
