@@ -33,7 +33,7 @@ from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, L
 from .optimizer_state import map_state, reset_state, resize_state
 from .ranks import RankRule, factors_compress, paying_rank, state_rank
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
-                     log_decisions, output_weights)
+                     full_tensor_count, log_decisions, output_weights)
 
 __all__ = [
     "APPLY_MODES",
@@ -54,6 +54,7 @@ __all__ = [
     "factors_compress",
     "format_ratio",
     "full_param_count",
+    "full_tensor_count",
     "log_decisions",
     "map_state",
     "ortho_sigma_init",

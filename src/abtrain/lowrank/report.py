@@ -65,6 +65,12 @@ def full_param_count(model: nn.Module, records: Sequence[FactorizedParam]) -> in
     return sum(p.numel() for p in model.parameters() if id(p) not in skip) + sum(fp.m * fp.n for fp in records)
 
 
+def full_tensor_count(model: nn.Module, records: Sequence[FactorizedParam]) -> int:
+    """Parameter tensors of the full-rank model: every parameter but the factors A and B (each W is one)."""
+    skip = _factor_ids(records)
+    return sum(1 for p in model.parameters() if id(p) not in skip)
+
+
 def ab_param_count(model: nn.Module, records: Sequence[FactorizedParam]) -> int:
     """Parameters during the AB phase: A and B of lowrank layers (not their W), plus everything else."""
     skip = _factor_ids(records) | {id(fp.weight) for fp in records if fp.mode == "lowrank"}

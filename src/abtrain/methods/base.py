@@ -335,10 +335,8 @@ class Method(LoopContract):
         ddp = ddp_equivalent(params, self.topo.world_size, self.topo.group_size, self.steps)
         optimizer = self._attached[0] if self._attached is not None else self._last_optimizer
         if optimizer is not None:
-            records = getattr(self, "records", None) or []
-            skip = {id(t) for fp in records for t in (fp.A, fp.B)}  # W stays registered: one tensor per layer
-            tensors = (sum(1 for p in module.parameters() if id(p) not in skip and (records or p.requires_grad))
-                       if module is not None else 0)  # the tensors whose elements ``params`` counts
+            tensors = (lowrank.full_tensor_count(module, self.records) if getattr(self, "records", None)
+                       else sum(1 for p in module.parameters() if p.requires_grad)) if module is not None else 0
             ddp["training_state_bytes"] = dense_training_state_bytes(
                 params, moments_per_element(optimizer), tensors=tensors, scalar_bytes=scalar_state_bytes(optimizer))
         return {"method": self.name, "world_size": self.topo.world_size, "group_size": self.topo.group_size,

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 import torch
+from torch import nn
 
 from ... import lowrank
 from ...comm.communicator import Communicator
@@ -129,9 +130,8 @@ class ABCore(Method):
         every worker averages the model (parameters and floating-point buffers, in the sync's wire dtype), one
         inside each group the optimizer's moments, so that the decomposition that follows starts from one W and
         the workers of a group, which average their gradients from then on, step alike."""
-        factors = {id(t) for fp in self.records for t in (fp.A, fp.B)}  # not trained in a full-rank phase
         with torch.profiler.record_function("abtrain::ab::average_local"), self.comm.ledger.in_phase("sync"):
-            params = [p for p in self.module.parameters() if p.is_floating_point() and id(p) not in factors]
+            params = full_rank_tensors(self.module, self.records)  # a full-rank phase trains no factor
             buffers = [b for b in self.module.buffers() if b.is_floating_point()]
             self.comm.all_reduce_tensors(params + buffers, self.topo.world, wire_dtype=self.wire_dtype)
             moments = optimizer_moments(optimizer, params)
@@ -150,3 +150,10 @@ class ABCore(Method):
         if self._trained_role() == "A":
             return lowrank.SVD(vectors, sigma, fp.B.detach().clone())
         return lowrank.SVD(fp.A.detach().clone(), sigma, vectors)
+
+
+def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:
+    """Parameters not represented by factors this phase (full-mode W, biases, norms, kept layers)."""
+    factor_ids = {id(t) for fp in records for t in (fp.A, fp.B)}
+    low_ids = {id(fp.weight) for fp in records if fp.mode == "lowrank"}
+    return [p for p in module.parameters() if id(p) not in factor_ids and id(p) not in low_ids]

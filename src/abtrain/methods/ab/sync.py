@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
 from ... import lowrank
 from ...comm.communicator import Communicator
@@ -13,7 +12,7 @@ from ...comm.group import Group
 from ...compress.powersgd import PowerSGDReducer
 from ..base import optimizer_moments
 from .config import TANGENT_CORES
-from .core import ABCore
+from .core import ABCore, full_rank_tensors
 
 
 class ABSync(ABCore):
@@ -71,13 +70,6 @@ class ABSync(ABCore):
         return {fp.name: bases[fp.name] for fp in low
                 if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n)
                                          or (compressor is not None and compressor.rank_for(fp.m, fp.n) is not None))}
-
-
-def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:
-    """Parameters not represented by factors this phase (full-mode W, biases, norms, kept layers)."""
-    factor_ids = {id(t) for fp in records for t in (fp.A, fp.B)}
-    low_ids = {id(fp.weight) for fp in records if fp.mode == "lowrank"}
-    return [p for p in module.parameters() if id(p) not in factor_ids and id(p) not in low_ids]
 
 
 @torch.no_grad()
