@@ -137,3 +137,21 @@ def test_resume_refusals_are_one_line(fashion_dir, tmp_path, reference, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and message in lines[0], (args, lines)
     assert json.loads((reference / "status.json").read_text())["status"] == "complete"
+
+
+def test_a_run_stopped_inside_a_local_warm_up_resumes_to_the_same_model(fashion_dir, tmp_path):
+    """--ab-dense-comm local: the workers' models differ inside the warm-up; each worker's checkpoint shard keeps its
+    own, so a run stopped there resumes to the uninterrupted run's model and bytes."""
+    local = ("--ab-dense-comm", "local", "--ab-warmup-steps", "6")
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    p = run(_args(fashion_dir, ref, *local))
+    assert p.returncode == 0, p.stderr
+    p = run(_args(fashion_dir, out, *local, "--stop-after", "3"))
+    assert p.returncode == 0, p.stderr
+    p = run(["train", "--resume", str(out)])
+    assert p.returncode == 0, p.stderr
+    assert "continuing from the checkpoint of step 3" in p.stdout
+    assert _same(_weights(out), _weights(ref))
+    a, b = (json.loads((d / "results.json").read_text()) for d in (ref, out))
+    assert b["comm"]["wire_bytes"] == a["comm"]["wire_bytes"] and b["final"] == a["final"]
+    assert "warmup" not in a["comm"]["by_phase"]  # the warm-up sent nothing
