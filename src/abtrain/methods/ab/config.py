@@ -104,6 +104,7 @@ class ABConfig(Options):
     sync_memory_dtype: str = opt("fp32", "dtype of the low-rank sync's error memories (an m x n tensor per low-rank layer on every worker): bf16 holds them in half the bytes", choices=tuple(WIRE_DTYPES))
     sync_dtype: str = opt("bf16", "dtype of the sync's payload on the wire; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
     linear_apply: str = opt("auto", "how a low-rank nn.Linear applies its factors: weight (forms W = A B), factors (input times B^T, then A^T), or auto (fewer multiply-adds per call)", choices=lowrank.APPLY_MODES)
+    sync_batchnorm: bool = opt(False, "BatchNorm layers normalise with the statistics of every worker's batch at each training step, as SyncBatchNorm (one all-gather in the forward, one all-reduce in the backward per layer, counted in the ledger)")
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 

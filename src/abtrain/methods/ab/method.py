@@ -27,6 +27,7 @@ from torch import nn
 
 from ... import lowrank
 from ..registry import MethodSpec, register
+from ..sync_batchnorm import convert_sync_batchnorm
 from .config import ABConfig, check_topology, group_layout
 from .consensus import ABConsensus
 from .core import LOSS_JUMP, LOSS_WINDOW
@@ -59,10 +60,22 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         self.others = sum(1 for p in model.parameters() if id(p) not in factorisable)
         if self.cfg.init == "ortho-sigma":
             lowrank.ortho_sigma_init(self.records)
+        if self.cfg.sync_batchnorm:
+            model = self._sync_batchnorm(model)
         lowrank.set_trainable(self.records, "full")
         if self.cfg.keep_output:
             self._output_hook = model.register_forward_hook(self._find_output_layer)
         return super().prepare(model)
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """sync_batchnorm: every BatchNorm layer takes its statistics over all workers (the authors' SyncBatchNorm)."""
+        model, count = convert_sync_batchnorm(model, self.comm, self.topo.world)
+        if count:
+            self.say(f"AB-training: {count} BatchNorm layer{'s' if count > 1 else ''} normalise with the statistics "
+                     f"of all {self.topo.world_size} workers' batches at every training step (--ab-sync-batchnorm)")
+        elif self.topo.rank == 0:
+            log.warning("AB-training: --ab-sync-batchnorm found no BatchNorm layer in the model: it changes nothing")
+        return model
 
     def _find_output_layer(self, module: nn.Module, args: Any, output: Any) -> None:
         """At the first training forward: keep the layer(s) producing the output full rank from now on."""
