@@ -282,7 +282,7 @@ FLAGS = {
     "--ab-powersgd-dtype",
     "--ab-sync-dtype", "--ab-sync-memory-dtype", "--ab-sync-payload", "--ab-sync-rank",
     "--ab-tangent-core", "--ab-svd", "--ab-rank-cap", "--ab-sync-moments", "--no-ab-sync-moments",
-    "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-quiet", "--no-ab-quiet",
+    "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-sync-batchnorm", "--no-ab-sync-batchnorm", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-h", "--diloco-h", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",
     "--powersgd-start-iter", "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon",
     "--powersgd-seed", "--powersgd-dtype", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",

@@ -9,6 +9,7 @@ from abtrain.comm.topology import Topology
 from abtrain.methods.ab import ABConfig, ABTraining
 from abtrain.methods.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from helpers import run_world
+from test_ab import Net  # a small model with a BatchNorm1d (``norm``) between linear layers
 
 WORLD = 4
 C = 3
@@ -98,18 +99,6 @@ def test_the_layer_sends_its_formulas_bytes_and_nothing_in_evaluation(module_run
         assert gather["wire_bytes"] == (WORLD - 1) * 4 * (2 * C + 1)
         assert (reduce["calls"], reduce["payload_bytes"]) == (1, 4 * 2 * C)
         assert reduce["wire_bytes"] == 2 * (WORLD - 1) / WORLD * 4 * 2 * C
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(12, 48)
-        self.norm = nn.BatchNorm1d(48)
-        self.body = nn.Linear(48, 40)
-        self.head = nn.Linear(40, 5)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.body(torch.relu(self.norm(self.stem(x))))))
 
 
 def _ab_world(sync_batchnorm: bool):

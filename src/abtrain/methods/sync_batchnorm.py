@@ -116,9 +116,18 @@ class SyncBatchNorm(_BatchNorm):
                                 self.group)
 
 
-@torch.compiler.disable  # collectives in the forward and backward: compiled graphs break around this layer
+_apply_uncompiled: Any = None  # the function's apply out of torch.compile's reach, made at its first call
+
+
 def _sync_batch_norm(*args: Any) -> torch.Tensor:
-    return _SyncBatchNormFunction.apply(*args)
+    """The layer's function, which torch.compile leaves out of its graphs (collectives in the forward and
+    backward). Wrapped at the first call, not at import: wrapped at import (every run imports this module), it
+    left gloo threads behind a script that compiles after init_process_group and then destroys its process
+    group (tests/test_own_loop.py)."""
+    global _apply_uncompiled
+    if _apply_uncompiled is None:
+        _apply_uncompiled = torch.compiler.disable(_SyncBatchNormFunction.apply)
+    return _apply_uncompiled(*args)
 
 
 def convert_sync_batchnorm(module: nn.Module, comm: Communicator, group: Group) -> tuple[nn.Module, int]:
