@@ -329,14 +329,18 @@ class Method(LoopContract):
         from ..run.results import ddp_equivalent
         from .memory import dense_training_state_bytes, moments_per_element, scalar_state_bytes
 
-        module = self.module
-        params = (lowrank.full_param_count(module, self.records) if getattr(self, "records", None)
-                  else sum(p.numel() for p in module.parameters() if p.requires_grad)) if module is not None else 0
+        module, records = self.module, getattr(self, "records", None)
+        # the dense model's parameters, and the tensors that hold them (DDP's per-tensor optimizer state)
+        if module is None:
+            params = tensors = 0
+        elif records:
+            params, tensors = lowrank.full_param_count(module, records), lowrank.full_tensor_count(module, records)
+        else:
+            trained = [p for p in module.parameters() if p.requires_grad]
+            params, tensors = sum(p.numel() for p in trained), len(trained)
         ddp = ddp_equivalent(params, self.topo.world_size, self.topo.group_size, self.steps)
         optimizer = self._attached[0] if self._attached is not None else self._last_optimizer
         if optimizer is not None:
-            tensors = (lowrank.full_tensor_count(module, self.records) if getattr(self, "records", None)
-                       else sum(1 for p in module.parameters() if p.requires_grad)) if module is not None else 0
             ddp["training_state_bytes"] = dense_training_state_bytes(
                 params, moments_per_element(optimizer), tensors=tensors, scalar_bytes=scalar_state_bytes(optimizer))
         return {"method": self.name, "world_size": self.topo.world_size, "group_size": self.topo.group_size,

@@ -1,15 +1,16 @@
 """BatchNorm whose training statistics are those of every worker's batch together, through the communicator.
 
 torch's ``nn.SyncBatchNorm`` refuses CPU tensors and sends its statistics outside any ledger; this module does
-the same computation on any device with abtrain's :class:`~abtrain.comm.communicator.Communicator`, so every
-byte is counted (by the ledger's phase of the step: ``warmup``, ``ab``, ``rebound``). In a training forward each
-layer gathers every worker's per-channel mean, biased variance and element count (one all-gather of 2·C + 1
-floats per worker) and normalises with their combination; its backward sums the per-channel sums of the
-gradient and of the gradient times the normalised input over the workers (one all-reduce of 2·C floats), so
-that the input's gradient is that of the sum of every worker's loss, as with ``nn.SyncBatchNorm``. The
-weight's and bias's gradients stay each worker's own, averaged by the method like any other parameter. The
-running statistics are updated from the combined ones, so every worker's agree. Evaluation uses them as
-BatchNorm does, and nothing is sent.
+the same computation on any device with abtrain's :class:`~abtrain.comm.communicator.Communicator`, in plain
+tensor operations (the fused kernels torch's uses, ``torch.batch_norm_stats`` and its kin, have no CPU version),
+so every byte is counted (by the ledger's phase of the step: ``warmup``, ``ab``, ``rebound``). In a training
+forward each layer gathers every worker's per-channel mean, biased variance and element count (one all-gather of
+2·C + 1 floats per worker) and normalises with their combination; its backward sums the per-channel sums of the
+gradient and of the gradient times the normalised input over the workers (one all-reduce of 2·C floats), so that
+the input's gradient is that of the sum of every worker's loss, as with ``nn.SyncBatchNorm``. The weight's and
+bias's gradients stay each worker's own, averaged by the method like any other parameter. The running statistics
+are updated from the combined ones, so every worker's agree. Evaluation uses them as BatchNorm does, and nothing
+is sent.
 
 :func:`convert_sync_batchnorm` swaps every ``nn.BatchNorm1d/2d/3d`` of a model for this layer, keeping its
 parameters and buffers (so ``state_dict`` keys, checkpoints and the exported model are unchanged).
@@ -72,7 +73,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(weight.dtype if weight is not None else dy.dtype) if ctx.needs_input_grad[2] else None
+        grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None  # a bias comes with a weight
         grad_x = None
         if ctx.needs_input_grad[0]:
             both = ctx.comm.all_reduce(torch.cat([sum_dy, sum_dy_xhat]), ctx.group)
@@ -99,21 +100,17 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least a 2D input (batch, channels, ...), got {input.dim()}D")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (self.training or self.running_mean is None) or self.group.size <= 1:
+            return super().forward(input)  # the running statistics, or one worker: BatchNorm's own path
         self._check_input_dim(input)
         momentum = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+        if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average, as BatchNorm's
                 momentum = 1.0 / float(self.num_batches_tracked)
-        batch_stats = self.training or self.running_mean is None
-        if not batch_stats or self.group.size <= 1:
-            return F.batch_norm(input, self.running_mean if not self.training or self.track_running_stats else None,
-                                self.running_var if not self.training or self.track_running_stats else None,
-                                self.weight, self.bias, batch_stats, momentum, self.eps)
-        return _sync_batch_norm(input, self.weight, self.bias,
-                                self.running_mean if self.training else None,
-                                self.running_var if self.training else None, self.eps, momentum, self.comm,
-                                self.group)
+        # running_mean/var are None when not tracked, and so outside training on this path
+        return _sync_batch_norm(input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                                momentum, self.comm, self.group)
 
 
 _apply_uncompiled: Any = None  # the function's apply out of torch.compile's reach, made at its first call
