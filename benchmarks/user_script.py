@@ -37,6 +37,8 @@ parser.add_argument("--synthetic", action="store_true", help="generated data of 
 parser.add_argument("--limit", type=int, help="use only the first N training samples")
 parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
 parser.add_argument("--out", help="rank 0 writes the run's figures here (JSON)")
+parser.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="rank 0 prints the N functions with the most time inside them (cProfile, cumulative)")
 args = parser.parse_args()
 
 
@@ -91,6 +93,11 @@ if method is not None:
     method.attach(opt)
 
 autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+profiler = None
+if args.profile and rank == 0:
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
 start = time.perf_counter()
 step_seconds: dict[str, float] = {}
 for epoch in range(args.epochs):
@@ -113,6 +120,10 @@ for epoch in range(args.epochs):
 if method is not None:
     method.detach()
 train_seconds = time.perf_counter() - start
+if profiler is not None:
+    import pstats
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
 
 with torch.no_grad():
     model.eval()

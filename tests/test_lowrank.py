@@ -348,9 +348,35 @@ def test_updated_svd_is_refused_where_it_does_not_hold():
     assert lr.svd_update(fp, parts) is None
     fp.weight.data.copy_(w)
     assert lr.svd_update(fp, parts._replace(P=1.01 * parts.P)) is None  # parts that are not W
-    wide = _lowrank_sum(fp.m, fp.n, r=14, q=3)  # r + q >= min(m, n): nothing smaller than W's own SVD
-    fp.weight.data.copy_(wide.U @ wide.core @ wide.Vh + wide.P @ wide.Q.T)
-    assert lr.svd_update(fp, wide) is None
+
+
+@pytest.mark.parametrize("r, q", [(14, 3), (16, 4), (10, 20)])
+def test_updated_svd_holds_where_r_plus_q_reaches_the_short_side(r, q):
+    """r + q >= min(m, n) = 16: the part of P outside U has fewer directions than q; the update still gives
+    W's SVD, with orthonormal singular vectors (none of rounding noise inside U)."""
+    fp = lr.prepare_model(_build(MLP))[0]  # 32x16
+    parts = _lowrank_sum(fp.m, fp.n, r=min(r, 16), q=q)
+    w = parts.U @ parts.core @ parts.Vh + parts.P @ parts.Q.T
+    fp.weight.data.copy_(w)
+    u, s, vh = lr.svd_update(fp, parts)
+    k = u.shape[1]
+    assert k <= 16 and vh.shape == (k, 16) and s.shape == (16,)
+    torch.testing.assert_close(s, torch.linalg.svdvals(w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((u * s[:k]) @ vh, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(u.T @ u, torch.eye(k), atol=1e-5, rtol=0)
+    torch.testing.assert_close(vh @ vh.T, torch.eye(k), atol=1e-5, rtol=0)
+
+
+def test_svd_of_a_wide_weight_is_its_svd():
+    """A wide W is decomposed as its transpose: the same factorisation, singular vectors contiguous."""
+    fp = lr.prepare_model(_build(MLP))[0]
+    wide = lr.prepare_model(nn.Sequential(nn.Linear(48, 12)))[0]  # 12x48
+    for layer in (fp, wide):
+        u, s, vh = lr.svd(layer)
+        w = layer.weight.detach().reshape(layer.m, layer.n)
+        assert u.is_contiguous() and vh.is_contiguous() and u.shape == (layer.m, min(layer.m, layer.n))
+        torch.testing.assert_close((u * s) @ vh, w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s, torch.linalg.svdvals(w), atol=1e-5, rtol=1e-5)
 
 
 def test_svd_of_non_finite_weight_names_the_layer():
