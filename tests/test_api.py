@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import abtrain
-from abtrain import lowrank
+from abtrain.methods.ab import lowrank
 from abtrain.api import as_keywords
 from abtrain.comm.communicator import Communicator
 from abtrain.comm.topology import Topology

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from abtrain.comm.recording import LocalWorld, RecordingCommunicator
-from abtrain.compress.dense import build_reducer
+from abtrain.methods.ab.dense import build_dense_reducer
 from abtrain.compress.powersgd import PowerSGDReducer, orthogonalize
 from abtrain.compress.reducer import AllReduce, BF16AllReduce
 
@@ -162,8 +162,8 @@ def test_async_and_sync_reductions_agree(kind):
 
     def worker(comm):
         sync, asynchronous = _grads(comm.rank, 0), _grads(comm.rank, 0)
-        build_reducer(kind, comm).reduce(sync, world.group)
-        build_reducer(kind, comm).reduce_async(asynchronous, world.group).wait()
+        build_dense_reducer(kind, comm).reduce(sync, world.group)
+        build_dense_reducer(kind, comm).reduce_async(asynchronous, world.group).wait()
         return all(torch.equal(a, b) for (_, a), (_, b) in zip(sync, asynchronous)), comm.calls
 
     for same, calls in world.run(worker):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
@@ -234,3 +234,27 @@ class LoopContract:
             yield
         finally:
             self._no_sync -= 1
+
+
+@torch.no_grad()
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every parametrized weight (``torch.nn.utils.parametrize``) replaced by the
+    weight its forward uses.
+
+    ``features.3.parametrizations.weight.original`` and the parametrization's own entries (factors
+    ``...weight.0.A``, ``...0.B``, a mode in ``..._extra_state``) become one ``features.3.weight`` holding
+    what the forward pass reads (W, or the product of the factors): the keys and shapes of the model before
+    the parametrizations, so the result loads into a freshly built instance of the user's model class.
+    """
+    out: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        if ".parametrizations." not in f".{key}":
+            out[key] = value
+            continue
+        owner, _, rest = f".{key}".rpartition(".parametrizations.")
+        pname, _, leaf = rest.partition(".")
+        if leaf != "original":
+            continue  # factors and modes: folded into the weight below
+        module = model.get_submodule(owner.lstrip("."))
+        out[f"{owner.lstrip('.')}.{pname}".lstrip(".")] = getattr(module, pname).detach().clone()
+    return out

@@ -6,9 +6,9 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ... import lowrank
+from . import lowrank
 from ...comm.topology import check_group_size, node_group_size
-from ...compress.dense import DENSE_REDUCERS
+from .dense import DENSE_REDUCERS
 from ...compress.wire import WIRE_DTYPES
 from ...validate import Options, opt
 

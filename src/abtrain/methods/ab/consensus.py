@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from ... import lowrank
+from . import lowrank
 from .decomposition import ABDecomposition
 from .sync import ABSync
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import lowrank
+from . import lowrank
 from ...comm.communicator import Communicator
 from ...comm.topology import Topology
-from ...compress.dense import build_reducer
+from .dense import build_dense_reducer
 from ...compress.powersgd import PowerSGDReducer
 from ...compress.wire import WIRE_DTYPES
 from ..base import Method, optimizer_moments
@@ -43,7 +43,7 @@ class ABCore(Method):
         # only-b over "world": one group of all workers, low-rank DP on B every step. The ledger's
         # scopes still follow the physical groups (topo.world crosses them); only the reduction widens.
         self.train_group = topo.world if only_b and self.cfg.only_b_groups == "world" else topo.group
-        self.dense = build_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank,
+        self.dense = build_dense_reducer(self.cfg.dense_comm, comm, rank=self.cfg.powersgd_rank,
                                    powersgd_dtype=self.cfg.powersgd_dtype)
         self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
         self.wire_dtype = WIRE_DTYPES[self.cfg.sync_dtype]

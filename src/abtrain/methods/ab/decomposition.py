@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ... import lowrank
+from . import lowrank
 from ..memory import moments_per_element
 from .core import ABCore
 

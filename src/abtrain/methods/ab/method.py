@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import lowrank
+from . import lowrank
 from ..registry import MethodSpec, register
-from ..sync_batchnorm import convert_sync_batchnorm
+from .sync_batchnorm import convert_sync_batchnorm
 from .config import ABConfig, check_topology, group_layout
 from .consensus import ABConsensus
 from .core import LOSS_JUMP, LOSS_WINDOW
@@ -202,6 +202,12 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         lowrank.set_trainable(self.records, self._trained_role())
 
     # -- results and checkpoints -------------------------------------------
+    def dense_size(self) -> tuple[int, int]:
+        """The dense model the factorised layers stand for: each W at its full size, A and B left out."""
+        if self.module is None or not self.records:
+            return super().dense_size()
+        return lowrank.full_param_count(self.module, self.records), lowrank.full_tensor_count(self.module, self.records)
+
     def extra_results(self) -> dict[str, Any]:
         sched = self._sched()
         return {

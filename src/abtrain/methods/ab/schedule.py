@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ... import lowrank
+from . import lowrank
 from .config import ABConfig
 
 

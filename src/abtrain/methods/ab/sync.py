@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ... import lowrank
+from . import lowrank
 from ...comm.communicator import Communicator
 from ...comm.group import Group
 from ...compress.powersgd import PowerSGDReducer

@@ -29,7 +29,7 @@ or dropped), ``report`` (counts, ratios, per-layer lines, the output layer).
 from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, ortho_sigma_init, recompose, svd,
                         svd_update, tangent_parts)
 from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
-                     plain_state_dict, prepare_model, set_mode, set_trainable)
+                     prepare_model, set_mode, set_trainable)
 from .optimizer_state import map_state, reset_state, resize_state
 from .ranks import RankRule, factors_compress, paying_rank, state_rank
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
@@ -60,7 +60,6 @@ __all__ = [
     "ortho_sigma_init",
     "output_weights",
     "paying_rank",
-    "plain_state_dict",
     "prepare_model",
     "recompose",
     "reset_state",
