@@ -201,7 +201,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             after["W"].update(sync_due.pop("merged", {}))
             after["moments_full"] = {n: m.clone() for n, m in _full_moments(method, model, opt).items()}
             if sync_due:
-                memory = method._compressor.errors if method._compressor is not None else {}  # lowrank payload
+                memory = method.compressor.errors if method.compressor is not None else {}  # lowrank payload
                 out["syncs"].append({"step": method.t, **sync_due, "after": after,
                                      "memory": {k: v.clone() for k, v in memory.items()}})
                 sync_due.clear()
@@ -789,7 +789,7 @@ def _ddp_wrapped(topo):
             opt.zero_grad()
             loss.backward()
             opt.step()
-    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.kept,
+    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.state.kept,
            "weights": {k: v.detach().clone() for k, v in method.export().items() if torch.is_tensor(v)}}
     del ddp
     return out
@@ -806,13 +806,3 @@ def test_a_ddp_wrapped_model_is_unwrapped_and_trains(runs):
     for k, v in outs[0]["weights"].items():
         for o in outs[1:]:
             assert torch.allclose(v, o["weights"][k], rtol=1e-5, atol=1e-6), k
-
-
-def test_a_checkpoint_with_the_earlier_lowrank_memory_layout_is_refused():
-    cfg = ABConfig(warmup_steps=1, cycle_steps=3, split="tangent", sync="only-learned", sync_payload="lowrank")
-    method = ABTraining(Communicator(), Topology(rank=0, world_size=4, local_world_size=4, group_size=2), cfg)
-    state = method.state_dict()
-    method.load_state_dict(state)  # the reducer's own layout loads
-    state["sync_compressor"] = {"memory": {}, "q": {}}
-    with pytest.raises(ValueError, match="earlier layout"):
-        method.load_state_dict(state)

@@ -165,7 +165,7 @@ def _train_single(options: dict, steps: int = 6) -> ABTraining:
 @pytest.mark.parametrize("warmup", [1, 0])
 def test_output_layer_found_by_the_graph_and_the_floor_holds(warmup):
     method = _train_single({"rank_fraction": 0.1, "warmup_steps": warmup})
-    assert method.kept == ["proto.weight"]
+    assert method.state.kept == ["proto.weight"]
     layers = {fp.name: fp for fp in method.records}
     assert layers["proto.weight"].mode == "full"
     assert "depthwise.weight" not in layers  # too small to gain at the rank floor: never factorised

@@ -180,18 +180,18 @@ def _setup_in_users_world(steps: int, split: str) -> dict:
     ranks = {fp.name: fp.rank for fp in method.records if fp.mode == "lowrank"}
     syncs_before = method.comm.ledger.summary()["by_phase"].get("sync", {}).get("calls", 0)
     merged = {}  # W as the sync formed it, before the re-split (which releases W's storage)
-    resplit = method._factorise
+    resplit = method.decomposer.factorise
 
     def spy(records, *args, **kwargs):
         merged.update({fp.name: fp.effective_weight().clone() for fp in records})
         return resplit(records, *args, **kwargs)
 
-    method._factorise = spy
+    method.decomposer.factorise = spy
     with method.consensus():
         result["weights"] = {k: v.clone() for k, v in method.export().items()}
         result["exact"] = all(torch.allclose(merged[fp.name], (fp.A @ fp.B).reshape(fp.shape), atol=1e-5)
                               and fp.weight.numel() == 0 for fp in method.records if fp.mode == "lowrank")
-    method._factorise = resplit
+    method.decomposer.factorise = resplit
     calls = method.comm.ledger.summary()["calls"]
     method.consensus()  # they agree now: nothing is sent
     result["noop"] = method.comm.ledger.summary()["calls"] == calls

@@ -47,7 +47,8 @@ def _final(trainer):
             "history": [{k: v for k, v in row.items() if k != "wall_seconds"} for row in trainer.history],
             "ledger": [[key, {k: v for k, v in row.items() if k != "seconds"}]  # bytes and calls, not timings
                        for key, row in trainer.ledger.state_dict()["rows"]],
-            "step": trainer.step, "svd_counts": getattr(trainer.method, "svd_counts", None)}
+            "step": trainer.step,
+            "svd_counts": trainer.method.state.svd_counts if trainer.method.name == "ab" else None}
 
 
 def _sequences(fashion_dir, root):

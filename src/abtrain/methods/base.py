@@ -322,6 +322,11 @@ class Method(LoopContract):
     def extra_results(self) -> dict[str, Any]:
         return {}
 
+    def held_state(self) -> dict[str, Any]:
+        """What the method holds besides the model and the optimizer, by the name its training state is reported
+        under (``method.NAME`` in results.json's ``training_state_by_phase``): its attributes."""
+        return vars(self)
+
     def dense_size(self) -> tuple[int, int]:
         """The dense model's parameters and the tensors that hold them (DDP's per-tensor optimizer state), which
         results() sets DDP's figures from: the prepared module's trainable ones, unless the method reshapes it."""
