@@ -1,9 +1,11 @@
 """AB-training's parts, each on its own in one process: the phase state, the decomposer, the syncer, the sync
-compressor, the loss watch, the output layer.
+compressor, the loss watch, the output layer, the options' derived defaults and the schedule's rule.
 
 Simulated workers (:class:`abtrain.comm.recording.LocalWorld`: threads whose collectives meet in memory) stand
 in for a world where a part communicates; test_ab.py runs the whole method on real gloo processes.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 
 from abtrain.comm.recording import LocalWorld, RecordingCommunicator
 from abtrain.comm.topology import Topology
-from abtrain.methods.ab import ABConfig, lowrank
+from abtrain.methods.ab import ABConfig, Schedule, lowrank
 from abtrain.methods.ab.compressor import SyncCompressor
 from abtrain.methods.ab.decomposer import LOSS_JUMP, LOSS_WINDOW, Decomposer, LossWatch
 from abtrain.methods.ab.prepare import OutputLayer, factorise_layers
@@ -241,7 +243,7 @@ def test_syncer_tangent_merge_adds_both_groups_changes_to_the_svd_they_started_f
         torch.testing.assert_close(w, expected)
 
 
-# -- preparing the model ------------------------------------------------------
+# -- preparing the model, the options, the schedule ------------------------------------------------------
 def test_output_layer_is_found_at_the_first_training_forward_and_kept():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 12))
     state = PhaseState(role="A")
@@ -257,3 +259,27 @@ def test_output_layer_is_found_at_the_first_training_forward_and_kept():
     assert output.searched and state.kept == ["2.weight"] and "keeping 2.weight full rank" in said[0]
     model(torch.randn(2, 16))
     assert len(said) == 1  # looked for once
+
+
+def test_derived_defaults_are_resolved_once_and_check_computes_nothing():
+    cfg = ABConfig()
+    assert (cfg.tau, cfg.split, cfg.sync_payload, cfg.tangent_core, cfg.svd) == (0.05, "tangent", "lowrank", "mean",
+                                                                                  "update")
+    assert cfg.derived() == {}  # resolved when built: nothing is left to derive
+    stale = ABConfig(sync="with-stale", rank=4)
+    assert (stale.tau, stale.split, stale.sync_payload, stale.tangent_core, stale.svd) == (None, "sqrt", "factors",
+                                                                                           "sum", "full")
+    for built in (cfg, stale):
+        before = dataclasses.asdict(built)
+        built.check()
+        assert dataclasses.asdict(built) == before
+    assert ABConfig(split="sigma").split == "sigma"  # a given option is never replaced
+
+
+def test_the_schedule_holds_its_own_rule():
+    ABConfig(rebound_steps=4, cycle_steps=4)  # options; the schedule they give is what must hold
+    for build in (lambda: Schedule(warmup=0, cycle_steps=4, rebound=4, lr_rebound=0),
+                  lambda: Schedule.from_config(ABConfig(warmup_steps=2, rebound_steps=4, cycle_steps=4), None),
+                  lambda: Schedule.from_config(ABConfig(rebound_steps=3, cycle_fraction=0.01), 300)):
+        with pytest.raises(ValueError, match=r"^--ab-rebound-steps \(F=\d\) must be smaller than the cycle"):
+            build()

@@ -66,9 +66,9 @@ def opt(default: Any, help: str, **meta: Any) -> Any:
 class Options:
     """Base of a method's options dataclass (the flags ``--<section>-<name>``, the TOML table ``[<section>]``).
 
-    A subclass sets ``section`` (the method's name, dashes as underscores: the flags keep the dashes) and puts its value checks
-    in :meth:`check`; types and ``choices=`` are checked here first, so that a
-    check can rely on them.
+    A subclass sets ``section`` (the method's name, dashes as underscores: the flags keep the dashes), the
+    defaults that follow from other options in :meth:`derived`, and its value checks in :meth:`check`; types
+    and ``choices=`` are checked first and derived defaults filled in, so that a check can rely on them.
     """
 
     section: ClassVar[str] = ""
@@ -85,7 +85,14 @@ class Options:
             if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"unknown {self.flag(f.name)} {getattr(self, f.name)!r}; "
                                  f"choose one of: {', '.join(choices)}")
+        for name, value in self.derived().items():
+            setattr(self, name, value)
         self.check()
+
+    def derived(self) -> dict[str, Any]:
+        """The values of options left unset (None) whose default follows from the others, by name: resolved
+        here, once, when the options are built, so that :meth:`check` and every reader see them."""
+        return {}
 
     @classmethod
     def removed_at_default(cls, name: str, value: Any, where: str) -> bool:
