@@ -59,8 +59,8 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
 
 
 def check_option_names(spec: Any, given: dict[str, Any]) -> None:
-    """A ValueError in one line for a keyword the method takes no option of: a removed one says where it still
-    exists, a misspelt one the closest names (instead of Python's TypeError from deep inside the build).
+    """A ValueError in one line for a keyword the method takes no option of, naming the closest (instead of
+    Python's TypeError from deep inside the build).
     The options are the fields of the method's options class and the named parameters of its build."""
     options_class = spec.options
     known = {f.name for f in dataclasses.fields(options_class)} if options_class is not None else set()
@@ -71,8 +71,6 @@ def check_option_names(spec: Any, given: dict[str, Any]) -> None:
     for name in given:
         if name in known:
             continue
-        if name in getattr(options_class, "removed", {}):
-            raise ValueError(options_class.removed_message(name, f"setup(..., {name}=...)"))
         close = difflib.get_close_matches(name, sorted(known), n=3)
         raise ValueError(f"setup({spec.name!r}) has no option {name!r}"
                          + (f"; did you mean {', '.join(close)}?" if close else

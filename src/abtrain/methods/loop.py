@@ -24,10 +24,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._version import __version__
+
 log = logging.getLogger(__name__)
 
 #: the key under which the attached optimizer's ``state_dict()`` carries the method's state
 STATE_KEY = "abtrain"
+#: the layout of that state (the unnumbered one before counts as 1); an abtrain loads its own layout only, and
+#: names the abtrain that wrote any other
+STATE_VERSION = 2
 
 
 class BackwardWatch:
@@ -188,8 +193,8 @@ class LoopContract:
             self._awaiting_state = True  # a resume: the optimizer's state_dict should bring the method's (_pre_step)
 
     def _save_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        state[STATE_KEY] = {"method": self.name, "state": self.state_dict(), "steps": self.steps,
-                            "ledger": self.comm.ledger.state_dict()}
+        state[STATE_KEY] = {"version": STATE_VERSION, "abtrain": __version__, "method": self.name,
+                            "state": self.state_dict(), "steps": self.steps, "ledger": self.comm.ledger.state_dict()}
 
     def _take_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         state = dict(state)  # the caller's dict stays as it was
@@ -200,6 +205,10 @@ class LoopContract:
         saved, self._loaded_state = self._loaded_state, None
         if saved is None:
             return
+        if saved.get("version") != STATE_VERSION:
+            raise ValueError(f"the optimizer's state_dict carries abtrain's method state in layout "
+                             f"{saved.get('version')!r}, this abtrain ({__version__}) reads layout {STATE_VERSION}: "
+                             f"load it with the abtrain that wrote it ({saved.get('abtrain') or 'an earlier one'})")
         if saved["method"] != self.name:
             raise ValueError(f"the checkpoint was saved by method {saved['method']!r}, this run uses "
                              f"{self.name!r}: resume with the method that wrote it")

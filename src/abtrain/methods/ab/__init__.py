@@ -10,9 +10,8 @@ layer). ``config`` holds :class:`ABConfig` and the presets; ``lowrank`` the sing
 
 from __future__ import annotations
 
-from .config import EARLIER_DEFAULTS, PAPER, ABConfig, check_topology, default_group_size
+from .config import PAPER, ABConfig, check_topology, default_group_size
 from .method import ABTraining
 from .schedule import Schedule
 
-__all__ = ["EARLIER_DEFAULTS", "PAPER", "ABConfig", "ABTraining", "Schedule", "check_topology",
-           "default_group_size"]
+__all__ = ["PAPER", "ABConfig", "ABTraining", "Schedule", "check_topology", "default_group_size"]

@@ -6,11 +6,11 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from . import lowrank
 from ...comm.topology import check_group_size, node_group_size
-from .dense import DENSE_REDUCERS
 from ...compress.wire import WIRE_DTYPES
 from ...validate import Options, opt
+from . import lowrank
+from .dense import DENSE_REDUCERS
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
@@ -36,25 +36,6 @@ PAPER: dict[str, Any] = {
     "sync_moments": False, "min_rank": 1, "init": "ortho-sigma",
 }
 
-#: The configuration of the results that docs/notebook/ and docs/ab-training.md call "the earlier
-#: defaults", kept so that each can be reproduced to the byte on the machine that measured it (those from 2
-#: December on; ``examples/ab-earlier-defaults.toml`` holds the same). They predate the rank cap.
-EARLIER_DEFAULTS: dict[str, Any] = {
-    "warmup_fraction": 0.5, "cycle_fraction": 0.06, "tau": 0.15, "split": "sqrt", "sync_payload": "factors",
-    "tangent_core": "sum", "powersgd_rank": 8, "linear_apply": "weight", "rank_cap": "none",
-}
-
-#: The last commit whose abtrain has the options of :data:`REMOVED` (``git checkout`` it to rerun an older
-#: note's command that uses one).
-LAST_WITH_REMOVED = "92780e8"
-
-#: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
-#: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
-REMOVED: dict[str, Any] = {
-    "independent": False, "energy": None, "min_compression": None, "truncate_first": False, "sync_flush": False,
-    "final_rebound_steps": 0, "dense_start_steps": 0,
-}
-
 
 @dataclass
 class ABConfig(Options):
@@ -67,9 +48,6 @@ class ABConfig(Options):
     """
 
     section = "ab"
-    removed = REMOVED
-    removed_after = LAST_WITH_REMOVED
-    removed_why = "docs/notebook/2026-12-options-removed.md"
     #: options of which one at most may be given; a config file's is replaced by a flag's (``config.merge``)
     exclusive = (("tau", "rank", "rank_fraction"),)
 
