@@ -140,7 +140,7 @@ def test_library_errors_name_keywords():
     with pytest.raises(ValueError, match=r"^warmup_steps must be an integer >= 0") as err:
         abtrain.setup("ab", total_steps=10, sync="only-b", warmup_steps=-1)
     assert "--ab" not in str(err.value)
-    assert as_keywords("pass e.g. --group-size 2, or --no-ab-keep-output") == "pass e.g. group_size=2, or keep_output=False"
+    assert as_keywords("pass e.g. --group-size 2, or --no-ab-keep-output", "ab") == "pass e.g. group_size=2, or keep_output=False"
 
 
 def test_unknown_keywords_are_one_line_each():

@@ -54,7 +54,7 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
         if total_steps is not None:
             built.set_total_steps(total_steps)
     except ValueError as exc:
-        raise ValueError(as_keywords(str(exc))) from None
+        raise ValueError(as_keywords(str(exc), method)) from None
     return built
 
 
@@ -77,21 +77,23 @@ def check_option_names(spec: Any, given: dict[str, Any]) -> None:
                             f"; its options: {', '.join(sorted(known)) or 'none'}"))
 
 
-def as_keywords(message: str) -> str:
-    """A message written for the command line, with its flags named as this function's keyword arguments.
+def as_keywords(message: str, method: str) -> str:
+    """A message written for the command line, with its flags named as :func:`setup`'s keyword arguments.
 
-    ``--ab-warmup-steps`` becomes ``warmup_steps``, ``--group-size 2``
-    becomes ``group_size=2``; one wording of every check serves both callers.
+    A method's options are the flags ``--<method>-<name>`` (``--ab-warmup-steps`` becomes ``warmup_steps``
+    for ``method="ab"``), and ``--group-size 2`` becomes ``group_size=2``; one wording of every check serves
+    both callers.
     """
+    prefix = method.replace("_", "-") + "-"
+
     def keyword(m: re.Match[str]) -> str:
-        name = m.group(1)
-        name = name[3:] if name.startswith("ab-") else name
+        name = m.group(1).removeprefix(prefix)
         value = m.group(2)
         return name.replace("-", "_") + (f"={value}" if value is not None else "")
 
     # Only this function's own options: a message may also name a launcher's flag (torchrun --nproc-per-node).
-    message = re.sub(r"--no-ab-([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_") + "=False", message)
-    return re.sub(r"--(ab-[a-z0-9-]+|group-size|backend|device)(?: (\d+|'[^']*'))?", keyword, message)
+    message = re.sub(rf"--no-{re.escape(prefix)}([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_") + "=False", message)
+    return re.sub(rf"--({re.escape(prefix)}[a-z0-9-]+|group-size|backend|device)(?: (\d+|'[^']*'))?", keyword, message)
 
 
 __all__ = ["as_keywords", "setup"]
