@@ -19,10 +19,12 @@ This package is single-process. Where workers must agree (the rank of each layer
 the pieces are exposed separately: :func:`svd` (or :func:`svd_update`) -> :meth:`RankRule.choose` ->
 all-reduce(MAX) by the caller -> :func:`decompose` / :func:`decompose_all`.
 
-Its rooms: ``layers`` (the parametrization, preparing a model, modes, plain
-state_dict), ``ranks`` (rank rules), ``decompose`` (SVD, factors, initialisation),
-``optimizer_state`` (the factors' optimizer state resized, mapped into a new basis
-or dropped), ``report`` (counts, ratios, per-layer lines, the output layer).
+Its rooms: ``layers`` (the parametrization, preparing a model, modes), ``ranks``
+(rank rules), ``decompose`` (SVD, factors, initialisation), ``optimizer_state``
+(the factors' optimizer state resized, mapped into a new basis or dropped),
+``report`` (counts, ratios, per-layer lines, the output layer). The plain
+state_dict that folds the parametrizations back is every method's export
+(:func:`abtrain.methods.loop.plain_state_dict`).
 """
 
 
