@@ -379,7 +379,7 @@ def measure(model_name: str, variant: str, args: argparse.Namespace, rank: int) 
     }
     if name == "ab":
         result["ranks"] = method.ranks[-1]["layers"] if method.ranks else {}
-        result["compression_ratio"] = method.ratio
+        result["compression_ratio"] = method.state.ratio
         result["role"] = method.role
     method.close()
     del method, module, opt, net, x, y

@@ -5,9 +5,9 @@
 
 One process trains the workload's model with its recipe (optimizer, learning rate and schedule, weight decay,
 label smoothing, clipping) and step budget on the global batch (workers x batch size), every layer that
-AB-training factorises by default (abtrain.lowrank.prepare_model: not the stem, head or embeddings) split
-from W's initial SVD into factors A (m x r) and B (r x n) trained together at every step, r = min(rank, the
-largest rank whose factors are smaller than W). Rank 0 trains the dense model. This is plain
+AB-training factorises by default (abtrain.methods.ab.lowrank.prepare_model: not the stem, head or
+embeddings) split from W's initial SVD into factors A (m x r) and B (r x n) trained together at every step,
+r = min(rank, the largest rank whose factors are smaller than W). Rank 0 trains the dense model. This is plain
 low-rank training with every gradient averaged (what DDP on the factors would compute), so it bounds what a
 method that trains the factors with less communication can reach at those ranks in the same budget.
 
@@ -27,7 +27,7 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-from abtrain import lowrank  # noqa: E402
+from abtrain.methods.ab import lowrank  # noqa: E402
 from abtrain.bench.workloads import get_workload  # noqa: E402
 from abtrain.cli import build_parser, config_from_args  # noqa: E402
 from abtrain.data import load_dataset, steps_per_epoch  # noqa: E402
@@ -39,8 +39,8 @@ MIN_RANK = ABConfig().min_rank  # AB-training's rank floor: a layer it would not
 
 
 def factorise(model: nn.Module, rank: int) -> list[lowrank.FactorizedParam]:
-    """Split every layer AB-training factorises (:func:`abtrain.lowrank.prepare_model`, the default full-rank
-    patterns and rank floor) into A·B at min(rank, its paying rank) from W's SVD, both factors trained.
+    """Split every layer AB-training factorises (:func:`abtrain.methods.ab.lowrank.prepare_model`, the default
+    full-rank patterns and rank floor) into A·B at min(rank, its paying rank) from W's SVD, both factors trained.
     Build the optimizer after this call."""
     records = lowrank.prepare_model(model, min_rank=MIN_RANK)
     lowrank.decompose_all(records, [min(rank, lowrank.paying_rank(fp.m, fp.n)) for fp in records])

@@ -25,8 +25,8 @@ import time
 import torch
 from torch import nn
 
-from abtrain import lowrank
-from abtrain.lowrank.optimizer_state import PINV_RTOL
+from abtrain.methods.ab import lowrank
+from abtrain.methods.ab.lowrank.optimizer_state import PINV_RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 p = argparse.ArgumentParser()

@@ -16,8 +16,8 @@ import torch
 import torch.multiprocessing as mp
 
 
-#: What a run directory's config.json held, at commit 92780e8, for the AB options removed after it: their
-#: defaults (a run directory written then lists every option of its time).
+#: AB options an earlier abtrain had (removed after commit 92780e8), each at the default it had: a run directory
+#: written then lists them in its config.json, which this abtrain refuses as holding unknown keys.
 OLD_AB_DEFAULTS: dict[str, Any] = {"independent": False, "energy": None, "min_compression": None,
                                    "truncate_first": False, "sync_flush": False, "final_rebound_steps": 0,
                                    "dense_start_steps": 0}

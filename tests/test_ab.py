@@ -13,10 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import abtrain
 from abtrain.comm.communicator import Communicator
 from abtrain.comm.topology import Topology
 from abtrain.config import merge
 from abtrain.methods.ab import PAPER, ABConfig, ABTraining
+from abtrain.methods.loop import STATE_VERSION
 from abtrain.methods.memory import dense_training_state_bytes, training_state_parts
 from helpers import run_world
 
@@ -201,7 +203,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             after["W"].update(sync_due.pop("merged", {}))
             after["moments_full"] = {n: m.clone() for n, m in _full_moments(method, model, opt).items()}
             if sync_due:
-                memory = method._compressor.errors if method._compressor is not None else {}  # lowrank payload
+                memory = method.compressor.errors if method.compressor is not None else {}  # lowrank payload
                 out["syncs"].append({"step": method.t, **sync_due, "after": after,
                                      "memory": {k: v.clone() for k, v in memory.items()}})
                 sync_due.clear()
@@ -790,7 +792,7 @@ def _ddp_wrapped(topo):
             opt.zero_grad()
             loss.backward()
             opt.step()
-    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.kept,
+    out = {"unwrapped": model is ddp.module, "names": [fp.name for fp in method.records], "kept": method.state.kept,
            "weights": {k: v.detach().clone() for k, v in method.export().items() if torch.is_tensor(v)}}
     del ddp
     return out
@@ -809,11 +811,24 @@ def test_a_ddp_wrapped_model_is_unwrapped_and_trains(runs):
             assert torch.allclose(v, o["weights"][k], rtol=1e-5, atol=1e-6), k
 
 
-def test_a_checkpoint_with_the_earlier_lowrank_memory_layout_is_refused():
-    cfg = ABConfig(warmup_steps=1, cycle_steps=3, split="tangent", sync="only-learned", sync_payload="lowrank")
+def test_method_state_of_another_layout_is_refused_naming_the_abtrain_that_wrote_it():
+    """The method's state in the optimizer's state_dict carries its layout and the abtrain that wrote it; a
+    state of another layout (the unnumbered earlier one, or a newer one) is refused in one line."""
+    cfg = ABConfig(warmup_steps=1, cycle_steps=3)
     method = ABTraining(Communicator(), Topology(rank=0, world_size=4, local_world_size=4, group_size=2), cfg)
-    state = method.state_dict()
-    method.load_state_dict(state)  # the reducer's own layout loads
-    state["sync_compressor"] = {"memory": {}, "q": {}}
-    with pytest.raises(ValueError, match="earlier layout"):
-        method.load_state_dict(state)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    method.attach(opt)
+    saved = opt.state_dict()
+    assert saved["abtrain"]["version"] == STATE_VERSION and saved["abtrain"]["abtrain"] == abtrain.__version__
+    opt.load_state_dict(saved)  # its own layout loads
+    earlier = {k: v for k, v in saved["abtrain"].items() if k not in ("version", "abtrain")}
+    for state, version, writer in ((earlier, None, "an earlier one"),
+                                   ({**saved["abtrain"], "version": STATE_VERSION + 1, "abtrain": "9.9.9"},
+                                    STATE_VERSION + 1, "9.9.9")):
+        with pytest.raises(ValueError) as err:
+            opt.load_state_dict({**saved, "abtrain": state})
+        assert str(err.value) == (f"the optimizer's state_dict carries abtrain's method state in layout {version!r}, "
+                                  f"this abtrain ({abtrain.__version__}) reads layout {STATE_VERSION}: load it with "
+                                  f"the abtrain that wrote it ({writer})")
+    method.detach(finalize=False)

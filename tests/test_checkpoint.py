@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+import abtrain
 from abtrain.comm.topology import Topology
 from abtrain.config import TrainConfig
 from abtrain.methods.ab import ABConfig
@@ -47,7 +48,8 @@ def _final(trainer):
             "history": [{k: v for k, v in row.items() if k != "wall_seconds"} for row in trainer.history],
             "ledger": [[key, {k: v for k, v in row.items() if k != "seconds"}]  # bytes and calls, not timings
                        for key, row in trainer.ledger.state_dict()["rows"]],
-            "step": trainer.step, "svd_counts": getattr(trainer.method, "svd_counts", None)}
+            "step": trainer.step,
+            "svd_counts": trainer.method.state.svd_counts if trainer.method.name == "ab" else None}
 
 
 def _sequences(fashion_dir, root):
@@ -174,3 +176,23 @@ def test_truncated_and_foreign_checkpoints_are_refused(tmp_path):
     with pytest.raises(ValueError, match="is corrupt: its sha256 differs") as err:
         Trainer(plain, Topology(), run_dir, resume=True)
     assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_another_format_is_refused_naming_the_abtrain_that_wrote_it(tmp_path):
+    """A checkpoint carries its format version and the abtrain that wrote it; any other version than this
+    abtrain's is refused in one line, older or newer, before a shard is read."""
+    cfg, run_dir = _single(tmp_path, stop_after=4)
+    Trainer(cfg, Topology(), run_dir).run()
+    path = os.path.join(ckpt.checkpoint_root(run_dir), ckpt.MANIFEST)
+    manifest = json.loads(open(path).read())
+    assert manifest["version"] == ckpt.VERSION and manifest["abtrain"] == abtrain.__version__
+    assert ckpt.read_manifest(run_dir)["step"] == 4
+    older = {k: v for k, v in manifest.items() if k != "abtrain"}  # written before checkpoints named their abtrain
+    for written, writer in (({**older, "version": ckpt.VERSION - 1}, "an earlier one"),
+                            ({**manifest, "version": ckpt.VERSION + 1, "abtrain": "9.9.9"}, "9.9.9")):
+        open(path, "w").write(json.dumps(written))
+        with pytest.raises(ValueError) as err:
+            Trainer(dataclasses.replace(cfg, stop_after=None), Topology(), run_dir, resume=True)
+        assert str(err.value) == (f"checkpoint {path} has format version {written['version']}, this abtrain "
+                                  f"({abtrain.__version__}) reads version {ckpt.VERSION}: resume it with the abtrain "
+                                  f"that wrote it ({writer})")

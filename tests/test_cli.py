@@ -187,58 +187,31 @@ def test_unwritable_run_dir_and_bad_config(tmp_path, fashion_dir):
     assert p.returncode == 2 and "must be an integer" in p.stderr
 
 
-#: A value other than the default for each AB option removed after commit 92780e8 (helpers.OLD_AB_DEFAULTS).
-OLD_AB_SET = {"independent": True, "energy": 0.9, "min_compression": 2.0, "truncate_first": True,
-              "sync_flush": True, "final_rebound_steps": 3, "dense_start_steps": 2}
-
-
-def test_removed_options_at_their_old_defaults_are_read_and_ignored(tmp_path):
-    from abtrain.cli import config_from_args
-    from abtrain.config import TrainConfig
-    toml = tmp_path / "old.toml"
-    toml.write_text("[ab]\ntau = 0.1\n" + "".join(f"{k.replace('_', '-')} = {json.dumps(v)}\n"
-                                                   for k, v in OLD_AB_DEFAULTS.items() if v is not None))
-    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(toml)]))
-    assert cfg.ab.tau == 0.1 and not set(OLD_AB_DEFAULTS) & set(cfg.to_dict()["ab"])
-    flat = tmp_path / "flat.toml"  # the prefixed spelling of the same keys
-    flat.write_text("".join(f"ab-{k.replace('_', '-')} = {json.dumps(v)}\n"
-                            for k, v in OLD_AB_DEFAULTS.items() if v is not None))
-    assert config_from_args(build_parser().parse_args(["train", "--config", str(flat)])).ab.tau == 0.05
-    # a config.json written before the removal lists every option, these at their defaults (nulls included)
-    old = TrainConfig().to_dict()
-    old["ab"].update(OLD_AB_DEFAULTS)
-    saved = tmp_path / "config.json"
-    saved.write_text(json.dumps(old))
-    assert TrainConfig.from_dict(json.loads(saved.read_text())).to_dict() == TrainConfig().to_dict()
-    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(saved)]))
-    assert cfg.to_dict() == TrainConfig().to_dict()
-
-
-@pytest.mark.parametrize("name", sorted(OLD_AB_SET))
-def test_removed_options_set_otherwise_are_refused_naming_the_commit(tmp_path, fashion_dir, capsys, name):
-    from abtrain.methods.ab.config import LAST_WITH_REMOVED
-    flag = "--ab-" + name.replace("_", "-")
-    value = OLD_AB_SET[name]
-    toml = tmp_path / "c.toml"
-    toml.write_text(f"[ab]\n{name.replace('_', '-')} = {json.dumps(value)}\n")
-    stopped = tmp_path / "old-run"  # a run directory of an earlier abtrain that set the option
+@pytest.mark.parametrize("name", sorted(OLD_AB_DEFAULTS))
+def test_options_an_earlier_abtrain_had_are_unknown_keys(tmp_path, fashion_dir, capsys, name):
+    """An option removed from abtrain is refused as any key that is no option: in a config file (a table or the
+    flag's name), on the command line, in a run directory's config.json; one line that names it."""
+    key = name.replace("_", "-")
+    value = OLD_AB_DEFAULTS[name] if OLD_AB_DEFAULTS[name] is not None else 1
+    table, flat = tmp_path / "table.toml", tmp_path / "flat.toml"
+    table.write_text(f"[ab]\n{key} = {json.dumps(value)}\n")
+    flat.write_text(f"ab-{key} = {json.dumps(value)}\n")
+    stopped = tmp_path / "old-run"  # a run directory whose config.json holds the option
     stopped.mkdir()
     from abtrain.config import TrainConfig
     old = TrainConfig(data_dir=str(fashion_dir), out=str(stopped)).to_dict()
-    old["ab"].update({**OLD_AB_DEFAULTS, name: value})
+    old["ab"][name] = OLD_AB_DEFAULTS[name]
     (stopped / "config.json").write_text(json.dumps(old))
-    given = [flag] if isinstance(value, bool) else [flag, str(value)]
-    for args, where in ((["--config", str(toml)], f"config file {toml} sets it to {value!r}"),
-                        (given, "given on the command line"),
-                        (["--resume", str(stopped)], f"{stopped / 'config.json'} sets it to {value!r}")):
+    for args, said in ((["--config", str(table)], f"unknown key 'ab.{key}' in config file {table}"),
+                       (["--config", str(flat)], f"unknown key 'ab-{key}' in config file {flat}"),
+                       ([f"--ab-{key}", "1"], f"unrecognized arguments: --ab-{key}"),
+                       (["--resume", str(stopped)], f"{stopped / 'config.json'} holds unknown ab options: {name}")):
         try:
-            code = main(["train", "--data-dir", str(fashion_dir), *args] if "--resume" not in args else ["train", *args])
+            code = main(["train", *args] if "--resume" in args else ["train", "--data-dir", str(fashion_dir), *args])
         except SystemExit as exc:
             code = exc.code
         lines = capsys.readouterr().err.strip().splitlines()
-        assert code == 2 and len(lines) == 1, (args, lines)
-        assert lines[0].startswith(f"abtrain: error: {flag} was removed from abtrain ({where})"), lines[0]
-        assert f"commit {LAST_WITH_REMOVED}" in lines[0] and "2026-12-options-removed.md" in lines[0]
+        assert code == 2 and len(lines) == 1 and said in lines[0], (args, lines)
 
 
 def test_corrupt_dataset_is_reported(tmp_path, fashion_dir):

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from abtrain.cli import main
-from abtrain.lowrank import prepare_model, svd
-from abtrain.lowrank.decompose import NonFiniteWeight
+from abtrain.methods.ab.lowrank import prepare_model, svd
+from abtrain.methods.ab.lowrank.decompose import NonFiniteWeight
 from abtrain.run import checkpoint as ckpt
 from abtrain.run.launch import external_world
 from abtrain.run.lifeline import die_with_parent

@@ -1,4 +1,4 @@
-"""Single-process invariants of abtrain.lowrank: factorisation, rank rules, optimizer state, counts."""
+"""Single-process invariants of abtrain.methods.ab.lowrank: factorisation, rank rules, optimizer state, counts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from abtrain import lowrank as lr
+from abtrain.methods.ab import lowrank as lr
 
 
 # ---------------------------------------------------------------------------
@@ -814,7 +814,7 @@ def test_describe_and_log_decisions(caplog):
         "note": "rank 2 of 16",
     }
     assert rows[1]["mode"] == "full" and rows[1]["rank"] is None
-    with caplog.at_level(logging.INFO, logger="abtrain.lowrank"):
+    with caplog.at_level(logging.INFO, logger="abtrain.methods.ab.lowrank"):
         lr.log_decisions(records)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "rank 2" in lines[0] and "full rank: not decomposed yet" in lines[1]

@@ -51,6 +51,9 @@ def test_views_of_one_storage_count_once_and_a_methods_tensors_count():
             self.inner = type("Inner", (), {})()
             self.inner.copies = [torch.zeros(25), base[5:]]
 
+        def held_state(self):
+            return vars(self)
+
     model = nn.Linear(10, 10)
     parts = training_state_parts(model, None, Holder(model))
     assert parts == {"parameters": 440, "gradients": 0, "optimizer": 0, "method.memory": 600, "method.inner": 100}

@@ -147,7 +147,7 @@ def _compiled(order: str) -> dict:
         opt.step()
         low_rank = max(low_rank, sum(fp.mode == "lowrank" for fp in method.records))
     method.detach()
-    return {"bytes": method.comm.ledger.wire_total, "low_rank": low_rank, "kept": method.kept,
+    return {"bytes": method.comm.ledger.wire_total, "low_rank": low_rank, "kept": method.state.kept,
             "compiled": type(model).__name__, "weights": _weights(method)}
 
 

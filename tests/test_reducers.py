@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from abtrain.comm.recording import LocalWorld, RecordingCommunicator
-from abtrain.compress.dense import build_reducer
+from abtrain.methods.ab.dense import build_dense_reducer
 from abtrain.compress.powersgd import PowerSGDReducer, orthogonalize
 from abtrain.compress.reducer import AllReduce, BF16AllReduce
 
@@ -88,49 +88,6 @@ def test_powersgd_warm_start_draws_random_qs_once_per_set_of_tensors():
     assert set(qa) == {"fc.weight", "conv.weight"} and all(torch.equal(qa[n], qb[n]) for n in qa)
 
 
-def test_powersgd_keeps_the_factors_of_what_it_delivered_when_asked():
-    world = LocalWorld(2)
-
-    def worker(comm):
-        reducer = PowerSGDReducer(comm, rank=2, keep_factors=True)
-        grads = _grads(comm.rank, 0)
-        reducer.reduce(grads, world.group)
-        factors = reducer.take_factors()
-        again = reducer.take_factors()
-        reducer.reduce([("fc.bias", torch.ones(24))], world.group)  # nothing compressed: no factors
-        plain = PowerSGDReducer(comm, rank=2)
-        plain.reduce(_grads(comm.rank, 0), world.group)
-        return dict(grads), factors, again, reducer.take_factors(), plain.take_factors()
-
-    for got, factors, again, after_plain, not_kept in world.run(worker):
-        assert set(factors) == {"fc.weight", "conv.weight"}
-        for name, (p, q) in factors.items():
-            m = got[name].reshape(got[name].shape[0], -1)
-            assert p.shape == (m.shape[0], 2) and q.shape == (m.shape[1], 2)
-            torch.testing.assert_close(p @ q.T, m, rtol=1e-6, atol=1e-7)  # the delivered tensor is P·Qᵀ
-        assert again == {} and after_plain == {} and not_kept == {}
-
-
-
-def test_powersgd_error_memory_in_bf16_is_the_rounded_residual_and_the_delivery_unchanged():
-    world = LocalWorld(2)
-
-    def worker(comm):
-        wide, narrow = PowerSGDReducer(comm, rank=2), PowerSGDReducer(comm, rank=2, error_dtype=torch.bfloat16)
-        out = []
-        for reducer in (wide, narrow):
-            grads = _grads(comm.rank, 0)
-            reducer.reduce(grads, world.group)
-            out.append((dict(grads), dict(reducer.errors)))
-            reducer.reduce(_grads(comm.rank, 1), world.group)  # the bf16 memory adds into an fp32 gradient
-        return out
-
-    for (got, errors), (got16, errors16) in world.run(worker):
-        assert all(torch.equal(got[n], got16[n]) for n in got)  # the memory only changes later steps
-        assert set(errors16) == set(errors) and all(e.dtype == torch.bfloat16 for e in errors16.values())
-        assert all(torch.equal(errors16[n], errors[n].to(torch.bfloat16)) for n in errors)
-
-
 def test_orthogonalize_gives_orthonormal_columns_for_both_algorithms():
     for rank in (2, 4):  # Gram-Schmidt, QR
         m = torch.randn(1, 30, rank, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
@@ -162,8 +119,8 @@ def test_async_and_sync_reductions_agree(kind):
 
     def worker(comm):
         sync, asynchronous = _grads(comm.rank, 0), _grads(comm.rank, 0)
-        build_reducer(kind, comm).reduce(sync, world.group)
-        build_reducer(kind, comm).reduce_async(asynchronous, world.group).wait()
+        build_dense_reducer(kind, comm).reduce(sync, world.group)
+        build_dense_reducer(kind, comm).reduce_async(asynchronous, world.group).wait()
         return all(torch.equal(a, b) for (_, a), (_, b) in zip(sync, asynchronous)), comm.calls
 
     for same, calls in world.run(worker):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from abtrain.cli import main
-from abtrain.run.checkpoint import config_digest
-from helpers import OLD_AB_DEFAULTS, launcher_workers
+from abtrain.run.checkpoint import VERSION
+from helpers import launcher_workers
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
 STEPS = 40
@@ -70,25 +70,6 @@ def test_stop_then_resume_equals_uninterrupted(fashion_dir, tmp_path, reference)
     assert res["comm"]["wire_bytes"] == ref["comm"]["wire_bytes"] and res["final"] == ref["final"]
 
 
-def test_run_directory_of_an_earlier_abtrain_resumes(fashion_dir, tmp_path, reference):
-    """A run stopped by an abtrain that still had the options removed since: its config.json, and the
-    checkpoint's record of it, list them at their defaults; --resume continues it to the uninterrupted run."""
-    out = tmp_path / "old"
-    p = run(_args(fashion_dir, out, "--stop-after", "13"))
-    assert p.returncode == 0, p.stderr
-    config = json.loads((out / "config.json").read_text())
-    config["ab"].update(OLD_AB_DEFAULTS)  # as that abtrain wrote both
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    latest = out / "checkpoint" / "latest.json"
-    manifest = json.loads(latest.read_text())
-    manifest["config"], manifest["config_sha256"] = config, config_digest(config)
-    latest.write_text(json.dumps(manifest))
-    p = run(["train", "--resume", str(out)])
-    assert p.returncode == 0, p.stderr
-    assert _same(_weights(out), _weights(reference))
-    assert json.loads((out / "config.json").read_text()) == config  # the run's record stays as it was written
-
-
 def test_sigkilled_worker_restarts_and_finishes_identically(fashion_dir, tmp_path, reference):
     out = tmp_path / "killed"
     proc = subprocess.Popen(ABTRAIN + _args(fashion_dir, out, "--checkpoint-every", "4", "--max-restarts", "1"),
@@ -122,7 +103,7 @@ def test_resume_refusals_are_one_line(fashion_dir, tmp_path, reference, capsys):
     (stopped / "checkpoint").mkdir(parents=True)
     (stopped / "config.json").write_text((reference / "config.json").read_text())
     (stopped / "checkpoint" / "latest.json").write_text(json.dumps(
-        {"format": "abtrain-checkpoint", "version": 1, "step": 3, "world_size": 4, "dir": "step-00000003",
+        {"format": "abtrain-checkpoint", "version": VERSION, "step": 3, "world_size": 4, "dir": "step-00000003",
          "files": {}, "sha256": {}}))
     cases = [
         (["--resume", str(reference)], "finished run"),

@@ -7,7 +7,7 @@ from torch import nn
 from abtrain.comm.communicator import Communicator
 from abtrain.comm.topology import Topology
 from abtrain.methods.ab import ABConfig, ABTraining
-from abtrain.methods.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from abtrain.methods.ab.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from helpers import run_world
 from test_ab import Net  # a small model with a BatchNorm1d (``norm``) between linear layers
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from abtrain.cli import build_parser, config_from_args
 from abtrain.config import SECTIONS, TrainConfig, config_fields, section_fields
-from abtrain.methods.ab.config import REMOVED
+from helpers import OLD_AB_DEFAULTS
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -73,7 +73,7 @@ def test_cli_arguments_accept_or_refuse_cleanly(argv):
 
 
 toml_keys = st.sampled_from([f.name.replace("_", "-") for f in config_fields()] + ["lerning-rate", "ab-tau", "ab"]
-                            + ["ab-" + name.replace("_", "-") for name in REMOVED])  # removed: ignored or refused
+                            + ["ab-" + name.replace("_", "-") for name in OLD_AB_DEFAULTS])  # an earlier abtrain's: refused
 toml_values = st.one_of(st.integers(-3, 10**6), st.floats(allow_nan=True), st.booleans(), st.text(max_size=5),
                         st.just("[1, 2]"))
 

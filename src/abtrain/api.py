@@ -54,13 +54,13 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
         if total_steps is not None:
             built.set_total_steps(total_steps)
     except ValueError as exc:
-        raise ValueError(as_keywords(str(exc))) from None
+        raise ValueError(as_keywords(str(exc), method)) from None
     return built
 
 
 def check_option_names(spec: Any, given: dict[str, Any]) -> None:
-    """A ValueError in one line for a keyword the method takes no option of: a removed one says where it still
-    exists, a misspelt one the closest names (instead of Python's TypeError from deep inside the build).
+    """A ValueError in one line for a keyword the method takes no option of, naming the closest (instead of
+    Python's TypeError from deep inside the build).
     The options are the fields of the method's options class and the named parameters of its build."""
     options_class = spec.options
     known = {f.name for f in dataclasses.fields(options_class)} if options_class is not None else set()
@@ -71,29 +71,29 @@ def check_option_names(spec: Any, given: dict[str, Any]) -> None:
     for name in given:
         if name in known:
             continue
-        if name in getattr(options_class, "removed", {}):
-            raise ValueError(options_class.removed_message(name, f"setup(..., {name}=...)"))
         close = difflib.get_close_matches(name, sorted(known), n=3)
         raise ValueError(f"setup({spec.name!r}) has no option {name!r}"
                          + (f"; did you mean {', '.join(close)}?" if close else
                             f"; its options: {', '.join(sorted(known)) or 'none'}"))
 
 
-def as_keywords(message: str) -> str:
-    """A message written for the command line, with its flags named as this function's keyword arguments.
+def as_keywords(message: str, method: str) -> str:
+    """A message written for the command line, with its flags named as :func:`setup`'s keyword arguments.
 
-    ``--ab-warmup-steps`` becomes ``warmup_steps``, ``--group-size 2``
-    becomes ``group_size=2``; one wording of every check serves both callers.
+    A method's options are the flags ``--<method>-<name>`` (``--ab-warmup-steps`` becomes ``warmup_steps``
+    for ``method="ab"``), and ``--group-size 2`` becomes ``group_size=2``; one wording of every check serves
+    both callers.
     """
+    prefix = method.replace("_", "-") + "-"
+
     def keyword(m: re.Match[str]) -> str:
-        name = m.group(1)
-        name = name[3:] if name.startswith("ab-") else name
+        name = m.group(1).removeprefix(prefix)
         value = m.group(2)
         return name.replace("-", "_") + (f"={value}" if value is not None else "")
 
     # Only this function's own options: a message may also name a launcher's flag (torchrun --nproc-per-node).
-    message = re.sub(r"--no-ab-([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_") + "=False", message)
-    return re.sub(r"--(ab-[a-z0-9-]+|group-size|backend|device)(?: (\d+|'[^']*'))?", keyword, message)
+    message = re.sub(rf"--no-{re.escape(prefix)}([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_") + "=False", message)
+    return re.sub(rf"--({re.escape(prefix)}[a-z0-9-]+|group-size|backend|device)(?: (\d+|'[^']*'))?", keyword, message)
 
 
 __all__ = ["as_keywords", "setup"]

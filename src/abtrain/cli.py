@@ -24,24 +24,7 @@ if TYPE_CHECKING:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
-        line = _removed_flag(message) or f"{message} (see '{self.prog} --help')"
-        self.exit(2, f"abtrain: error: {line}\n")
-
-
-def _removed_flag(message: str) -> str | None:
-    """For argparse's "unrecognized arguments" that hold a removed option's flag: the line that says so."""
-    from .methods import registry
-    head = "unrecognized arguments: "
-    if not message.startswith(head):
-        return None
-    for token in message[len(head):].split():
-        for spec in registry.with_options():
-            options = spec.options
-            for name in options.removed:  # type: ignore[union-attr]
-                flag = options.flag(name)  # type: ignore[union-attr]
-                if token.split("=")[0] in (flag, "--no-" + flag[2:]):
-                    return options.removed_message(name, "given on the command line")  # type: ignore[union-attr]
-    return None
+        self.exit(2, f"abtrain: error: {message} (see '{self.prog} --help')\n")
 
 
 def _choices(f) -> Sequence[str] | None:

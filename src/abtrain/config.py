@@ -139,22 +139,21 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any], where: str = "the configuration") -> "TrainConfig":
         """The one place where option sections are built: ``{"ab": {"tau": 0.1}, ...}`` -> ``ABConfig(tau=0.1)``.
 
-        Values are type-checked by the dataclasses themselves (:func:`abtrain.validate.check_types`). A
-        removed option at the default it had is dropped (a run directory's config.json lists every option of
-        its time); set otherwise, it is refused naming ``where`` (:meth:`~abtrain.validate.Options.removed_at_default`).
+        Values are type-checked by the dataclasses themselves (:func:`abtrain.validate.check_types`); a key
+        that is no option (a misspelt one, or one an earlier abtrain had) is refused, naming ``where``.
         """
         values = dict(values)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown configuration keys: {', '.join(unknown)}")
+            raise ValueError(f"{where} holds unknown configuration keys: {', '.join(unknown)}")
         for name, section in SECTIONS.items():
             if isinstance(values.get(name), dict):
-                given = {k: v for k, v in values[name].items() if not section.removed_at_default(k, v, where)}
+                given = values[name]
                 section_known = {f.name for f in fields(section)}
                 extra = sorted(set(given) - section_known)
                 if extra:
-                    raise ValueError(f"unknown {name} options: {', '.join(extra)}")
+                    raise ValueError(f"{where} holds unknown {name} options: {', '.join(extra)}")
                 values[name] = section(**given)
         return cls(**values)
 
@@ -191,12 +190,10 @@ def section_fields(section: str) -> list[dataclasses.Field]:
 def nest(flat: dict[str, Any], where: str = "the command line") -> dict[str, Any]:
     """Flag-named values (``ab-tau`` / ``ab_tau`` or a table ``ab = {tau = ...}``) -> TrainConfig.from_dict's shape.
 
-    A key that is neither a flat option nor a method's option is refused, naming ``where`` it came from; a
-    removed option is dropped at the default it had and refused at any other value.
+    A key that is neither a flat option nor a method's option is refused, naming ``where`` it came from.
     """
     known = {f.name for f in config_fields()}
     section_known = {s: {f.name for f in section_fields(s)} for s in SECTIONS}
-    section_removed = {s: set(SECTIONS[s].removed) for s in SECTIONS}
     out: dict[str, Any] = {}
     spelled: dict[tuple[str, ...], str] = {}  # each option, and how ``where`` spelled it first
 
@@ -214,16 +211,13 @@ def nest(flat: dict[str, Any], where: str = "the command line") -> dict[str, Any
         name = key.replace("-", "_")
         # A table ``[ab]`` or a prefixed key ``ab-tau`` (the flag's name) both set ab.tau.
         prefixed = next((s for s in SECTIONS if name.startswith(s + "_")
-                         and name[len(s) + 1:] in section_known[s] | section_removed[s]), None)
+                         and name[len(s) + 1:] in section_known[s]), None)
         if name in SECTIONS and isinstance(value, dict):
             for sub, sub_value in value.items():
-                if SECTIONS[name].removed_at_default(sub.replace("-", "_"), sub_value, where):
-                    continue
                 sub_name = _known(sub.replace("-", "_"), section_known[name], f"{name}.{sub}", where)
                 put((name, sub_name), sub_value, f"[{key}] {sub}")
         elif prefixed is not None:
-            if not SECTIONS[prefixed].removed_at_default(name[len(prefixed) + 1:], value, where):
-                put((prefixed, name[len(prefixed) + 1:]), value, key)
+            put((prefixed, name[len(prefixed) + 1:]), value, key)
         else:
             put((_known(name, known, key, where),), value, key)
     return out

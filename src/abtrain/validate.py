@@ -66,17 +66,12 @@ def opt(default: Any, help: str, **meta: Any) -> Any:
 class Options:
     """Base of a method's options dataclass (the flags ``--<section>-<name>``, the TOML table ``[<section>]``).
 
-    A subclass sets ``section`` (the method's name, dashes as underscores: the flags keep the dashes) and puts its value checks
-    in :meth:`check`; types and ``choices=`` are checked here first, so that a
-    check can rely on them.
+    A subclass sets ``section`` (the method's name, dashes as underscores: the flags keep the dashes), the
+    defaults that follow from other options in :meth:`derived`, and its value checks in :meth:`check`; types
+    and ``choices=`` are checked first and derived defaults filled in, so that a check can rely on them.
     """
 
     section: ClassVar[str] = ""
-    #: options the section no longer has, each with the default it had (:meth:`removed_at_default`), the last
-    #: commit whose abtrain had them, and the page that says why they went
-    removed: ClassVar[dict[str, Any]] = {}
-    removed_after: ClassVar[str] = ""
-    removed_why: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         check_types(self, f"--{self.section.replace('_', '-')}-")
@@ -85,25 +80,14 @@ class Options:
             if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"unknown {self.flag(f.name)} {getattr(self, f.name)!r}; "
                                  f"choose one of: {', '.join(choices)}")
+        for name, value in self.derived().items():
+            setattr(self, name, value)
         self.check()
 
-    @classmethod
-    def removed_at_default(cls, name: str, value: Any, where: str) -> bool:
-        """True when ``name`` is a removed option given at the default it had: a run directory or config file
-        written before its removal still reads, the key ignored. A removed option set to anything else raises a
-        ValueError that names the commit to run it with; a current option (or an unknown one) gives False."""
-        if name not in cls.removed:
-            return False
-        old = cls.removed[name]
-        if type(value) is type(old) and value == old:
-            return True
-        raise ValueError(cls.removed_message(name, f"{where} sets it to {value!r}"))
-
-    @classmethod
-    def removed_message(cls, name: str, given: str) -> str:
-        """The one line that refuses removed option ``name``: where it was ``given``, and where it still exists."""
-        return (f"{cls.flag(name)} was removed from abtrain ({given}): drop it, or run commit {cls.removed_after}, the last "
-                f"before the removals (git checkout {cls.removed_after}); why: {cls.removed_why}")
+    def derived(self) -> dict[str, Any]:
+        """The values of options left unset (None) whose default follows from the others, by name: resolved
+        here, once, when the options are built, so that :meth:`check` and every reader see them."""
+        return {}
 
     def check(self) -> None:
         """The values' own rules (ranges, combinations); raise a ValueError that names the flag."""

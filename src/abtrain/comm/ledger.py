@@ -171,7 +171,4 @@ class Ledger:
         return {"rows": [[list(k), vars(r).copy()] for k, r in self.rows.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if any(len(k) != 6 for k, _ in state["rows"]):
-            raise ValueError("the checkpoint's communication ledger was written by an older abtrain (its rows lack "
-                             "the group size); continue the run with the abtrain that started it")
         self.rows = {tuple(k): LedgerRow(**r) for k, r in state["rows"]}  # type: ignore[misc]

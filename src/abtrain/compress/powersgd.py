@@ -52,9 +52,6 @@ class PowerSGDReducer(Reducer):
     from ``seed`` through one NumPy stream, one draw per new set of tensors
     (the same on every worker); with ``warm_start`` each Q starts from the last one.
 
-    ``error_dtype`` (bfloat16) keeps the error memories in that type: half their
-    memory; what the rounding loses is lost for good.
-
     ``wire_dtype`` (bfloat16) casts each buffer for its all-reduce
     and back; averages divide before the sum, as :class:`BF16AllReduce` does.
     The Ps are orthonormalised and M ≈ P·Qᵀ formed in the gradients' dtype from
@@ -64,8 +61,7 @@ class PowerSGDReducer(Reducer):
 
     def __init__(self, comm: Communicator, rank: int = 4, *, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 seed: int = 0, wire_dtype: torch.dtype | None = None, keep_factors: bool = False,
-                 error_dtype: torch.dtype | None = None) -> None:
+                 seed: int = 0, wire_dtype: torch.dtype | None = None) -> None:
         super().__init__(comm)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
@@ -73,16 +69,12 @@ class PowerSGDReducer(Reducer):
         self.wire_dtype = wire_dtype
         self.min_compression_rate = min_compression_rate
         self.error_feedback = error_feedback
-        self.error_dtype = error_dtype
         self.warm_start = warm_start
         self.epsilon = orthogonalization_epsilon
         self.rng = np.random.RandomState(seed)
         self.errors: dict[str, torch.Tensor] = {}
         self.qs: dict[str, torch.Tensor] = {}
         self.seen: set[tuple[str, ...]] = set()  # sets of tensors whose Qs were drawn
-        # keep_factors: each compressed tensor's P and Q of the last call (the result is P·Qᵀ), for take_factors
-        self.keep_factors = keep_factors
-        self._factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.numel_before = 0  # elements handed to the compressed reductions
         self.numel_after = 0  # elements they sent: uncompressed tensors, every P and Q
 
@@ -106,7 +98,6 @@ class PowerSGDReducer(Reducer):
 
     @torch.no_grad()
     def reduce(self, grads: NamedGrads, group: Group) -> None:
-        self._factors = {}
         if group.size <= 1 or not grads:
             return
         if self.error_feedback:
@@ -170,20 +161,20 @@ class PowerSGDReducer(Reducer):
             self._all_reduce(q_flat, group, average=True)
             for (_, m, _), p, q in zip(low, ps, qs):
                 torch.bmm(p, q.transpose(1, 2), out=m)
-            if self.keep_factors:
-                self._factors = {name: (p[0], q[0]) for (name, _, _), p, q in zip(low, ps, qs)}
+            self._compressed([name for name, _, _ in low], ps, qs)
             if self.warm_start:
                 self.qs.update((name, q) for (name, _, _), q in zip(low, qs))
         if self.error_feedback:
             for (name, g), before in zip(grads, sent):
-                lost = before.sub_(g)  # what this worker's gradient lost in the reduction
-                self.errors[name] = lost if self.error_dtype is None else lost.to(self.error_dtype)
+                self._remember(name, before.sub_(g))  # what this worker's gradient lost in the reduction
 
-    def take_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """With ``keep_factors``: P (m×r) and Q (n×r) of each tensor the last call compressed (that tensor,
-        viewed m×n, now holds P·Qᵀ), by name; emptied, so that a later call's factors never pass for older ones."""
-        factors, self._factors = self._factors, {}
-        return factors
+    def _compressed(self, names: list[str], ps: list[torch.Tensor], qs: list[torch.Tensor]) -> None:
+        """After a call's second collective: P (1×m×r) and Q (1×n×r) of each tensor it compressed, which now
+        holds P·Qᵀ (a subclass may keep them; they are overwritten by the next call)."""
+
+    def _remember(self, name: str, lost: torch.Tensor) -> None:
+        """Keep what tensor ``name`` lost in this call, to add it to the next one (a subclass may narrow it)."""
+        self.errors[name] = lost
 
     def _reduce_first(self, first: torch.Tensor, p_numel: int, riders: list[torch.Tensor], group: Group) -> None:
         """Sum the Ps (orthonormalised next) and average the uncompressed ``riders`` in one collective.

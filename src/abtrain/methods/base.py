@@ -12,10 +12,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import lowrank
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
-from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner
+from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner, plain_state_dict
 from .memory import peak_state_total, training_state_parts
 
 log = logging.getLogger(__name__)
@@ -268,7 +267,7 @@ class Method(LoopContract):
             raise ValueError("nothing to export: call method.prepare(model) first, or pass the model")
         if isinstance(target, DistributedDataParallel):
             target = target.module
-        return lowrank.plain_state_dict(target)
+        return plain_state_dict(target)
 
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """Runs when :meth:`attach` begins, before the first step of the block."""
@@ -323,21 +322,24 @@ class Method(LoopContract):
     def extra_results(self) -> dict[str, Any]:
         return {}
 
+    def held_state(self) -> dict[str, Any]:
+        """What the method holds besides the model and the optimizer, by the name its training state is reported
+        under (``method.NAME`` in results.json's ``training_state_by_phase``): its attributes."""
+        return vars(self)
+
+    def dense_size(self) -> tuple[int, int]:
+        """The dense model's parameters and the tensors that hold them (DDP's per-tensor optimizer state), which
+        results() sets DDP's figures from: the prepared module's trainable ones, unless the method reshapes it."""
+        trained = [p for p in self.module.parameters() if p.requires_grad] if self.module is not None else []
+        return sum(p.numel() for p in trained), len(trained)
+
     def results(self) -> dict[str, Any]:
         """This worker's run so far, as results.json has it: the dense model's parameters, the model as it
         trains, the most training state held against DDP's, the ledger's bytes and DDP's for the same steps."""
         from ..run.results import ddp_equivalent
         from .memory import dense_training_state_bytes, moments_per_element, scalar_state_bytes
 
-        module, records = self.module, getattr(self, "records", None)
-        # the dense model's parameters, and the tensors that hold them (DDP's per-tensor optimizer state)
-        if module is None:
-            params = tensors = 0
-        elif records:
-            params, tensors = lowrank.full_param_count(module, records), lowrank.full_tensor_count(module, records)
-        else:
-            trained = [p for p in module.parameters() if p.requires_grad]
-            params, tensors = sum(p.numel() for p in trained), len(trained)
+        params, tensors = self.dense_size()
         ddp = ddp_equivalent(params, self.topo.world_size, self.topo.group_size, self.steps)
         optimizer = self._attached[0] if self._attached is not None else self._last_optimizer
         if optimizer is not None:

@@ -21,13 +21,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+
+from .._version import __version__
 
 log = logging.getLogger(__name__)
 
 #: the key under which the attached optimizer's ``state_dict()`` carries the method's state
 STATE_KEY = "abtrain"
+#: the layout of that state (the unnumbered one before counts as 1); an abtrain loads its own layout only, and
+#: names the abtrain that wrote any other
+STATE_VERSION = 2
 
 
 class BackwardWatch:
@@ -188,8 +193,8 @@ class LoopContract:
             self._awaiting_state = True  # a resume: the optimizer's state_dict should bring the method's (_pre_step)
 
     def _save_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        state[STATE_KEY] = {"method": self.name, "state": self.state_dict(), "steps": self.steps,
-                            "ledger": self.comm.ledger.state_dict()}
+        state[STATE_KEY] = {"version": STATE_VERSION, "abtrain": __version__, "method": self.name,
+                            "state": self.state_dict(), "steps": self.steps, "ledger": self.comm.ledger.state_dict()}
 
     def _take_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         state = dict(state)  # the caller's dict stays as it was
@@ -200,6 +205,10 @@ class LoopContract:
         saved, self._loaded_state = self._loaded_state, None
         if saved is None:
             return
+        if saved.get("version") != STATE_VERSION:
+            raise ValueError(f"the optimizer's state_dict carries abtrain's method state in layout "
+                             f"{saved.get('version')!r}, this abtrain ({__version__}) reads layout {STATE_VERSION}: "
+                             f"load it with the abtrain that wrote it ({saved.get('abtrain') or 'an earlier one'})")
         if saved["method"] != self.name:
             raise ValueError(f"the checkpoint was saved by method {saved['method']!r}, this run uses "
                              f"{self.name!r}: resume with the method that wrote it")
@@ -234,3 +243,27 @@ class LoopContract:
             yield
         finally:
             self._no_sync -= 1
+
+
+@torch.no_grad()
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every parametrized weight (``torch.nn.utils.parametrize``) replaced by the
+    weight its forward uses.
+
+    ``features.3.parametrizations.weight.original`` and the parametrization's own entries (factors
+    ``...weight.0.A``, ``...0.B``, a mode in ``..._extra_state``) become one ``features.3.weight`` holding
+    what the forward pass reads (W, or the product of the factors): the keys and shapes of the model before
+    the parametrizations, so the result loads into a freshly built instance of the user's model class.
+    """
+    out: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        if ".parametrizations." not in f".{key}":
+            out[key] = value
+            continue
+        owner, _, rest = f".{key}".rpartition(".parametrizations.")
+        pname, _, leaf = rest.partition(".")
+        if leaf != "original":
+            continue  # factors and modes: folded into the weight below
+        module = model.get_submodule(owner.lstrip("."))
+        out[f"{owner.lstrip('.')}.{pname}".lstrip(".")] = getattr(module, pname).detach().clone()
+    return out

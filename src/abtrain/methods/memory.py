@@ -67,7 +67,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def training_state_parts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                          method: Any = None) -> dict[str, int]:
     """:func:`training_state_bytes` by part: ``parameters``, ``gradients``, ``optimizer``, and ``method.NAME``
-    for each attribute of the method that holds tensors; a storage shared by two parts counts in the first."""
+    for each part of the method that holds tensors (``method.held_state()``, by name: :meth:`Method.held_state
+    <abtrain.methods.base.Method.held_state>`); a storage shared by two parts counts in the first."""
     parts: dict[str, list[torch.Tensor]] = {
         "parameters": list(model.parameters()),
         "gradients": [p.grad for p in model.parameters() if p.grad is not None],
@@ -77,7 +78,7 @@ def training_state_parts(model: nn.Module, optimizer: torch.optim.Optimizer | No
         _tensors(list(optimizer.state.values()), parts["optimizer"], set(), 0)
     if method is not None:
         seen = {id(model), id(optimizer), id(method)}
-        for name, value in vars(method).items():
+        for name, value in method.held_state().items():
             if name not in _SKIP_NAMES:
                 found: list[torch.Tensor] = []
                 _tensors(value, found, seen, 1)

@@ -24,6 +24,11 @@ from .base import Method
 PLUGIN_VARIABLE = "ABTRAIN_METHOD_MODULES"
 
 
+class MethodInputError(RuntimeError):
+    """A method cannot go on with the model it trains, and a restart would fail alike: the worker reports it as
+    an error of the input (AB-training's weight that no SVD decomposes)."""
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """What the rest of abtrain knows about a method.

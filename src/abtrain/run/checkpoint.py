@@ -35,10 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._version import __version__
 from .safefile import NoSpaceError, RunDirGone, atomic_write, is_no_space, make_dir, open_file, regular_size, write_json
 
 FORMAT = "abtrain-checkpoint"
-VERSION = 1
+#: the layout of a checkpoint (the manifest, the shards and the method's state in them); an abtrain reads its own
+#: version only, and names the abtrain that wrote any other
+VERSION = 2
 DIRNAME = "checkpoint"
 MANIFEST = "latest.json"
 
@@ -105,7 +108,7 @@ def write_manifest(run_dir: str, step: int, world_size: int, meta: dict[str, Any
     if meta.get("config") is not None:
         meta["config_sha256"] = config_digest(meta["config"])
     write_json(os.path.join(checkpoint_root(run_dir), MANIFEST),
-               {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+               {"format": FORMAT, "version": VERSION, "abtrain": __version__, "step": step, "world_size": world_size,
                 "dir": os.path.basename(directory), "files": files, "sha256": sha256, **meta})
     _fsync_dir(checkpoint_root(run_dir))
     # Only older steps: a newer directory may be a partial write of a run that crashed and is being redone.
@@ -127,8 +130,9 @@ def read_manifest(run_dir: str) -> dict[str, Any] | None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{path} is not an abtrain checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise ValueError(f"checkpoint {path} has format version {manifest.get('version')!r}; "
-                         f"this abtrain reads version {VERSION}")
+        raise ValueError(f"checkpoint {path} has format version {manifest.get('version')!r}, this abtrain "
+                         f"({__version__}) reads version {VERSION}: resume it with the abtrain that wrote it "
+                         f"({manifest.get('abtrain') or 'an earlier one'})")
     for key, kind in (("step", int), ("world_size", int), ("dir", str), ("files", dict), ("sha256", dict)):
         if not isinstance(manifest.get(key), kind):
             raise ValueError(f"checkpoint manifest {path} lacks a valid {key!r}; the checkpoint cannot be checked, "

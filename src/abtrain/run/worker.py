@@ -20,7 +20,7 @@ from typing import Any
 from ..comm.communicator import CollectiveError
 from ..comm.topology import Topology
 from ..config import TrainConfig
-from ..lowrank import SVDError
+from ..methods.registry import MethodInputError
 from . import checkpoint as ckpt
 from .lifeline import die_with_parent
 from .plan import Plan, group_layout
@@ -37,7 +37,7 @@ ERROR_KINDS: tuple[tuple[type[BaseException], str, int, bool], ...] = (
     (CollectiveError, "peer", EXIT_FAILED, True),
     (FloatingPointError, "diverged", EXIT_FAILED, False),  # also AB-training's weight that cannot be decomposed
     (ValueError, "input", EXIT_INPUT, False),
-    (SVDError, "input", EXIT_INPUT, False),
+    (MethodInputError, "input", EXIT_INPUT, False),
 )
 SECONDARY_KINDS = ("peer", "internal")  # often only the echo of another worker's failure
 

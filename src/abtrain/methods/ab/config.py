@@ -6,11 +6,11 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ... import lowrank
 from ...comm.topology import check_group_size, node_group_size
-from ...compress.dense import DENSE_REDUCERS
 from ...compress.wire import WIRE_DTYPES
 from ...validate import Options, opt
+from . import lowrank
+from .dense import DENSE_REDUCERS
 
 SYNC_MODES = ("with-stale", "only-learned", "full", "only-b")
 ONLY_B_GROUPS = ("group", "world")
@@ -36,25 +36,6 @@ PAPER: dict[str, Any] = {
     "sync_moments": False, "min_rank": 1, "init": "ortho-sigma",
 }
 
-#: The configuration of the results that docs/notebook/ and docs/ab-training.md call "the earlier
-#: defaults", kept so that each can be reproduced to the byte on the machine that measured it (those from 2
-#: December on; ``examples/ab-earlier-defaults.toml`` holds the same). They predate the rank cap.
-EARLIER_DEFAULTS: dict[str, Any] = {
-    "warmup_fraction": 0.5, "cycle_fraction": 0.06, "tau": 0.15, "split": "sqrt", "sync_payload": "factors",
-    "tangent_core": "sum", "powersgd_rank": 8, "linear_apply": "weight", "rank_cap": "none",
-}
-
-#: The last commit whose abtrain has the options of :data:`REMOVED` (``git checkout`` it to rerun an older
-#: note's command that uses one).
-LAST_WITH_REMOVED = "92780e8"
-
-#: Options screened and removed (docs/notebook/2026-12-options-removed.md), each with the default it had: a
-#: run directory's config.json or a config file that holds one at that value still reads, the key ignored.
-REMOVED: dict[str, Any] = {
-    "independent": False, "energy": None, "min_compression": None, "truncate_first": False, "sync_flush": False,
-    "final_rebound_steps": 0, "dense_start_steps": 0,
-}
-
 
 @dataclass
 class ABConfig(Options):
@@ -67,9 +48,6 @@ class ABConfig(Options):
     """
 
     section = "ab"
-    removed = REMOVED
-    removed_after = LAST_WITH_REMOVED
-    removed_why = "docs/notebook/2026-12-options-removed.md"
     #: options of which one at most may be given; a config file's is replaced by a flag's (``config.merge``)
     exclusive = (("tau", "rank", "rank_fraction"),)
 
@@ -108,6 +86,20 @@ class ABConfig(Options):
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
     quiet: bool = opt(False, "do not print the schedule and the per-layer decisions (rank 0 prints them by default)")
 
+    def derived(self) -> dict[str, Any]:
+        """The defaults that follow the other options, for those left None: the rank rule (tau
+        :data:`DEFAULT_TAU` when no rule is given), the split (tangent with only-learned, else sqrt), and what
+        needs the tangent merge of only-learned: the low-rank payload, the averaged core, the updated SVD."""
+        out: dict[str, Any] = {}
+        if all(getattr(self, name) is None for name in self.exclusive[0]):
+            out["tau"] = DEFAULT_TAU
+        out["split"] = self.split or ("tangent" if self.sync == "only-learned" else "sqrt")
+        tangent_merge = self.sync == "only-learned" and out["split"] == "tangent"
+        out["sync_payload"] = self.sync_payload or ("lowrank" if tangent_merge else "factors")
+        out["tangent_core"] = self.tangent_core or ("mean" if tangent_merge else "sum")
+        out["svd"] = self.svd or ("update" if out["sync_payload"] == "lowrank" else "full")
+        return {name: value for name, value in out.items() if getattr(self, name) is None}
+
     def check(self) -> None:
         for name in ("warmup_steps", "rebound_steps", "lr_rebound_steps"):
             value = getattr(self, name)
@@ -120,9 +112,6 @@ class ABConfig(Options):
             if not 0.0 <= value < 1.0 or (name == "cycle_fraction" and value == 0.0):
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be in {'(0' if name == 'cycle_fraction' else '[0'}, 1), "
                                  f"got {value!r}")
-        if self.cycle_steps is not None and self.rebound_steps is not None and self.rebound_steps >= self.cycle_steps:
-            raise ValueError(f"--ab-rebound-steps (F={self.rebound_steps}) must be smaller than --ab-cycle-steps "
-                             f"({self.cycle_steps}): each cycle is F rebound steps, then AB steps")
         if self.min_rank < 1:
             raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
         if self.powersgd_rank < 1:
@@ -130,19 +119,7 @@ class ABConfig(Options):
         rules = [n for n in self.exclusive[0] if getattr(self, n) is not None]
         if len(rules) > 1:
             raise ValueError(f"choose one rank rule, got {', '.join('--ab-' + r.replace('_', '-') for r in rules)}")
-        if not rules:
-            self.tau = DEFAULT_TAU
         _ = self.rule  # RankRule checks the values: a bad one fails here, before any training
-        # None: follow the sync mode. The low-rank change and the averaged core need the tangent merge of only-learned.
-        if self.split is None:
-            self.split = "tangent" if self.sync == "only-learned" else "sqrt"
-        tangent_merge = self.sync == "only-learned" and self.split == "tangent"
-        if self.sync_payload is None:
-            self.sync_payload = "lowrank" if tangent_merge else "factors"
-        if self.tangent_core is None:
-            self.tangent_core = "mean" if tangent_merge else "sum"
-        if self.svd is None:
-            self.svd = "update" if self.sync_payload == "lowrank" else "full"
         if self.split == "tangent" and self.sync == "with-stale":
             raise ValueError("--ab-split tangent splits W differently in A- and B-groups, and with-stale averages each "
                              "group's untrained factor with the others' trained one: use --ab-sync only-learned "

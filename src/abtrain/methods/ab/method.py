@@ -13,6 +13,12 @@ optimizer steps ``t`` and, by default, scales with the run (the fractions of
   F steps of full-rank DP (phase ``rebound``), then a truncated decomposition
   and AB steps until the next multiple of ``cycle_steps``. With F = 0 the sync
   and the truncated decomposition follow each other at once.
+
+:class:`ABTraining` holds the hooks the optimizer and the loop call, and its parts, each an object of its own
+that it calls: the :class:`~.schedule.Schedule` (when), the :class:`~.decomposer.Decomposer` (W split into
+A·B), the :class:`~.syncer.Syncer` (the groups averaged into one W), the gradient averaging of each phase
+(:mod:`.dense`, :mod:`.buckets`) and the :class:`~.prepare.OutputLayer`; what they share is the
+:class:`~.state.PhaseState` each is handed.
 """
 
 from __future__ import annotations
@@ -25,89 +31,162 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import lowrank
+from ...comm.communicator import Communicator
+from ...comm.topology import Topology
+from ...compress.wire import WIRE_DTYPES
+from ..base import Method
 from ..registry import MethodSpec, register
-from ..sync_batchnorm import convert_sync_batchnorm
+from . import lowrank
+from .buckets import OverlappedAverage
+from .compressor import SyncCompressor
 from .config import ABConfig, check_topology, group_layout
-from .consensus import ABConsensus
-from .core import LOSS_JUMP, LOSS_WINDOW
-from .decomposition import ABDecomposition
-from .schedule import check_run
-from .sync import ABSync
+from .decomposer import LOSS_WINDOW, Decomposer
+from .dense import build_dense_reducer
+from .prepare import OutputLayer, factorise_layers, sync_batchnorm
+from .schedule import Schedule, check_run
+from .state import PhaseState
+from .syncer import Syncer
 
 log = logging.getLogger(__name__)
 
 
-class ABTraining(ABConsensus, ABSync, ABDecomposition):
-    """AB-training around the user's optimizer. See the module docstring for the schedule.
+class ABTraining(Method):
+    """AB-training around the user's optimizer. See the module docstring for the schedule and the parts.
 
-    Built as ``ABTraining(comm, topo, config)`` or with the options as keywords
-    (:class:`~.core.ABCore`'s ``__init__``). This class holds the hooks the
-    optimizer and the loop call; the decomposition, the sync and the consensus
-    are its parts (:mod:`.decomposition`, :mod:`.sync`, :mod:`.consensus`).
+    Built as ``ABTraining(comm, topo, config)`` or with the options (:class:`ABConfig`'s fields) as keywords.
     """
 
     name = "ab"
     averages_gradients = True
 
+    def __init__(self, comm: Communicator, topo: Topology, config: ABConfig | None = None, **options: Any) -> None:
+        super().__init__(comm, topo)
+        self.cfg = cfg = config if config is not None else ABConfig(**options)
+        self.verbose = not cfg.quiet
+        check_topology(cfg, topo.world_size, topo.group_size, cli=config is not None)
+        only_b = cfg.sync == "only-b"
+        # only-b over "world": one group of all workers, low-rank DP on B every step. The ledger's
+        # scopes still follow the physical groups (topo.world crosses them); only the reduction widens.
+        self.train_group = topo.world if only_b and cfg.only_b_groups == "world" else topo.group
+        # the first half of the groups (at least one) train A, the others B; with only-b every worker trains B
+        self.state = PhaseState(role="B" if only_b else ("A" if topo.group_index < max(1, topo.num_groups // 2)
+                                                         else "B"))
+        self.dense = build_dense_reducer(cfg.dense_comm, comm, rank=cfg.powersgd_rank,
+                                         powersgd_dtype=cfg.powersgd_dtype)  # full-rank phases
+        self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
+        self.compressor = (SyncCompressor(comm, cfg.sync_rank, wire_dtype=WIRE_DTYPES[cfg.sync_dtype],
+                                          error_dtype=WIRE_DTYPES[cfg.sync_memory_dtype],
+                                          keep_factors=cfg.svd == "update")
+                           if cfg.sync_payload == "lowrank" else None)
+        self.syncer = Syncer(cfg, comm, topo, self.state, self.train_group, self.compressor)
+        self.decomposer = Decomposer(cfg, comm, topo.world, topo.device, self.state, self.compressor, self.say)
+        self.output = OutputLayer(self.state, self.say)
+        self._schedule: Schedule | None = None
+        self._saved_lrs: list[float] = []
+        self._optimizer: torch.optim.Optimizer | None = None  # the attached one (consensus() syncs its moments)
+        if not cfg.needs_budget:
+            self.set_total_steps(None)
+
+    # -- the phase state, as users read it ------------------------------------------
+    @property
+    def records(self) -> list[lowrank.FactorizedParam]:
+        """The factorisable layers (:func:`lowrank.prepare_model`), in the model's order."""
+        return self.state.records
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """Every decomposition so far: its step, each layer's rank (None: full), the compression, the parameters."""
+        return self.state.ranks
+
+    @property
+    def role(self) -> str:
+        """The factor this worker trains in an AB phase: "A" or "B"."""
+        return self.state.role
+
+    @property
+    def t(self) -> int:
+        """Optimizer steps taken."""
+        return self.state.t
+
+    # -- the schedule ----------------------------------------------------------
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """Fix the schedule for a run of ``total_steps`` optimizer steps (None: absolute options only)."""
+        self._schedule = sched = Schedule.from_config(self.cfg, total_steps)
+        self.say(f"AB-training schedule: {sched.describe()} ({self.topo.num_groups} groups of "
+                 f"{self.topo.group_size} workers)")
+        if self.topo.rank == 0 and total_steps is not None:
+            if sched.warmup >= total_steps:
+                log.warning("AB-training: the warm-up (%d steps) fills the whole run of %d steps: no AB phase",
+                            sched.warmup, total_steps)
+            elif sched.syncs() < 3:
+                log.warning("AB-training: %s (fewer than 3 syncs: little of the method runs)", sched.describe())
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule in steps; a ValueError that says what to do while the run's length is needed and unknown."""
+        if self._schedule is None:
+            self._schedule = Schedule.from_config(self.cfg, None)  # raises with what to do
+        return self._schedule
+
+    def phase_at(self, t: int) -> str:
+        """Phase of optimizer step ``t`` (0-based)."""
+        return self.schedule.phase_at(t)
+
+    @property
+    def phase(self) -> str:
+        return self.phase_at(self.state.t)
+
+    def _ends_local_phase(self) -> bool:
+        """dense_comm="local": the step just taken (``t - 1``) was a full-rank step each worker took alone."""
+        t = self.state.t
+        return self.cfg.dense_comm == "local" and t > 0 and self.phase_at(t - 1) != "ab"
+
+    def _apart_locally(self) -> bool:
+        """dense_comm="local", inside a warm-up or rebound after its first step: each worker's steps were its own,
+        and no average (:meth:`Syncer.average_local`) has brought the workers together since."""
+        return self._ends_local_phase() and self.phase != "ab" and self.state.agreed_at != self.state.t
+
     # -- preparation -------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
         model = self.unwrap(model)  # torch.compile's or DDP's wrapper: its module is factorised
-        self.records = lowrank.prepare_model(model, full_rank_patterns=self.cfg.patterns, min_rank=self.cfg.min_rank,
-                                             apply=self.cfg.linear_apply, excluded=self.excluded)
-        factorisable = {id(p) for fp in self.records for p in (fp.weight, fp.A, fp.B)} | {
-            id(p) for name, p in model.named_parameters() if any(name == e for e, _ in self.excluded)}
-        self.others = sum(1 for p in model.parameters() if id(p) not in factorisable)
-        if self.cfg.init == "ortho-sigma":
-            lowrank.ortho_sigma_init(self.records)
+        factorise_layers(model, self.cfg, self.state)
         if self.cfg.sync_batchnorm:
-            model = self._sync_batchnorm(model)
-        lowrank.set_trainable(self.records, "full")
+            model = sync_batchnorm(model, self.comm, self.topo, self.say)
+        lowrank.set_trainable(self.state.records, "full")
         if self.cfg.keep_output:
-            self._output_hook = model.register_forward_hook(self._find_output_layer)
+            self.output.watch(model)
         return super().prepare(model)
 
-    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
-        """sync_batchnorm: every BatchNorm layer takes its statistics over all workers (the authors' SyncBatchNorm)."""
-        model, count = convert_sync_batchnorm(model, self.comm, self.topo.world)
-        if count:
-            self.say(f"AB-training: {count} BatchNorm layer{'s' if count > 1 else ''} normalise with the statistics "
-                     f"of all {self.topo.world_size} workers' batches at every training step (--ab-sync-batchnorm)")
-        elif self.topo.rank == 0:
-            log.warning("AB-training: --ab-sync-batchnorm found no BatchNorm layer in the model: it changes nothing")
-        return model
+    # -- the parts, as the hooks call them ------------------------------------
+    def _decompose(self, optimizer: torch.optim.Optimizer, truncate: bool) -> None:
+        if self._ends_local_phase():
+            self._average_local(optimizer)  # the workers stepped alone since the last sync: one W first
+        assert self.module is not None, "prepare() first"
+        self.decomposer.decompose(self.module, optimizer, truncate=truncate, dense_follows=self.schedule.rebound > 0)
+        self._after_decomposition()
 
-    def _find_output_layer(self, module: nn.Module, args: Any, output: Any) -> None:
-        """At the first training forward: keep the layer(s) producing the output full rank from now on."""
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        self._stop_output_search()
-        found = lowrank.output_weights(output, self.records)
-        self.kept = [fp.name for fp in found]
-        for fp in found:
-            fp.param.note = "produces the model's output"
-        if found:
-            self.say(f"AB-training: keeping {', '.join(self.kept)} full rank: "
-                     f"{'it produces' if len(found) == 1 else 'they produce'} the model's output "
-                     f"(keep_output=False / --no-ab-keep-output factorises it)")
+    def _after_decomposition(self) -> None:
+        self.dense.reset()  # the full-rank phase's error memories: the next one starts afresh after a sync anyway
+        self.note_state_change()
 
-    def _stop_output_search(self) -> None:
-        self.output_searched = True
-        if self._output_hook is not None:
-            self._output_hook.remove()
-            self._output_hook = None
+    def _sync(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.module is not None, "prepare() first"
+        self.syncer.sync(self.module, optimizer)
+        self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
+        self.note_state_change()
 
-    def _kept_records(self) -> list[lowrank.FactorizedParam]:
-        return [fp for fp in self.records if fp.name in self.kept]
+    def _average_local(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.module is not None, "prepare() first"
+        self.syncer.average_local(self.module, optimizer)
+        self.note_state_change()
 
     # -- the hooks ----------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """A warm-up of 0 steps: decompose before the first forward."""
-        self._sched()
         self._optimizer = optimizer
-        if self.t == 0 and self.phase_at(0) == "ab" and not self.ranks:
+        if self.state.t == 0 and self.phase_at(0) == "ab" and not self.state.ranks:
             self._decompose(optimizer, truncate=False)
-            self._switch_step = 0
+            self.state.switch_step = 0
         self._watch_gradients()
 
     def reduce_gradients(self) -> None:
@@ -118,6 +197,7 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
         if self.phase == "ab":
             self.overlap.finish()  # idle in groups of one worker
         else:
+            assert self.module is not None, "prepare() first"
             self.dense.reduce([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None],
                               self.topo.world)
 
@@ -157,107 +237,152 @@ class ABTraining(ABConsensus, ABSync, ABDecomposition):
 
     def lr_scale(self) -> float:
         """Linear ramp from the floor back to the scheduled LR over R steps after each phase switch."""
-        R = self._sched().lr_rebound
-        if R == 0 or self._switch_step is None:
+        R, switch = self.schedule.lr_rebound, self.state.switch_step
+        if R == 0 or switch is None:
             return 1.0
-        return min(1.0, (self.t - self._switch_step + 1) / R)
+        return min(1.0, (self.state.t - switch + 1) / R)
 
     def observe_loss(self, value: float) -> None:
         """Watch the training loss around truncations; rank 0 reports a cut that lifts it well above its level."""
-        self._losses.append(value)
-        if self._cut is None or self.t - self._cut[0] < LOSS_WINDOW:
-            return
-        step, level = self._cut
-        after = sum(self._losses) / len(self._losses)
-        self._cut = None
-        if self.topo.rank == 0 and after > LOSS_JUMP * level:
+        rose = self.decomposer.losses.observe(value, self.state.t)
+        if rose is not None and self.topo.rank == 0:
+            step, level, after = rose
             log.warning("AB-training: the training loss rose from %.4f to %.4f over the %d steps after the truncation "
                         "at step %d (compression %s); a smaller --ab-tau or a larger --ab-min-rank cuts less",
-                        level, after, LOSS_WINDOW, step, lowrank.format_ratio(self.ratio or 1.0))
+                        level, after, LOSS_WINDOW, step, lowrank.format_ratio(self.state.ratio or 1.0))
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        st = self.state
         for g, lr in zip(optimizer.param_groups, self._saved_lrs):
             g["lr"] = lr  # the user's schedule continues from its own value
-        self.t += 1
-        if any(fp.mode == "lowrank" for fp in self._kept_records()):
-            self._keep_output_full()
-        sync, decompose = self._sched().events(self.t)
-        decompose = decompose and self._sched().decomposes_at(self.t)
+        st.t += 1
+        self.output.keep_full()
+        sync, decompose = self.schedule.events(st.t)
+        decompose = decompose and self.schedule.decomposes_at(st.t)
         if sync:
             self._sync(optimizer)
         if decompose:
-            self._decompose(optimizer, truncate=bool(self.ranks))  # the first decomposition keeps full rank
-        self._parts = {}  # W changes at the next step
-        if sync or decompose or self.phase_at(self.t) != self.phase_at(self.t - 1):
-            self._switch_step = self.t
+            self._decompose(optimizer, truncate=bool(st.ranks))  # the first decomposition keeps full rank
+        st.parts = {}  # W changes at the next step
+        if sync or decompose or self.phase_at(st.t) != self.phase_at(st.t - 1):
+            st.switch_step = st.t
         self._watch_gradients()
 
+    # -- one model on every worker: evaluation, export, the end ------------------
     @torch.no_grad()
-    def _keep_output_full(self) -> None:
-        """Warm-up 0 found the output layer after decomposing it: W = A·B (exact at full rank), trained full."""
-        for fp in self._kept_records():
-            if fp.mode == "lowrank":
-                lowrank.recompose(fp)
-                fp.param.note = "produces the model's output"
-        lowrank.set_trainable(self.records, self._trained_role())
+    def export(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The plain state_dict (:meth:`Method.export`), the same bits on every worker where they agree.
+
+        Right after a decomposition the tangent split holds W as (U·σ)·Vᵀ on A-workers and U·(σ·Vᵀ) on
+        B-workers, equal up to rounding; every worker then exports (U·σ)·Vᵀ from the singular vectors they all
+        hold bit for bit, so a loop that ends in consensus() ends with one model."""
+        state, st = super().export(model), self.state
+        if st.bases and st.t in (st.switch_step, st.agreed_at) and model in (None, self.module):
+            for fp in st.records:
+                if fp.mode == "lowrank" and fp.name in st.bases and fp.name in state:
+                    u, sigma, vh = st.basis(fp)
+                    state[fp.name] = ((u * sigma) @ vh).reshape(fp.shape).to(state[fp.name].dtype)
+        return state
+
+    def in_consensus(self) -> bool:
+        # Workers differ while groups train apart (inside an AB phase after its first step) and after full-rank
+        # steps each worker took alone (dense_comm="local").
+        if self._apart_locally():
+            return False
+        if self.phase != "ab" or self.state.t in (self.state.switch_step, self.state.agreed_at):
+            return True
+        return self.train_group is self.topo.world
+
+    def agree(self) -> None:
+        """Inside an AB phase: a sync now, then every layer factorised again at the rank it had.
+
+        The sync (the configured ``sync`` mode) leaves W = Ā·B̄ on every worker.
+        Training W inside the groups for the rest of the phase would be wrong, so
+        the layers that were low rank are split again at their current ranks and
+        the phase goes on: A-groups train A, B-groups train B, from one model.
+        Ā·B̄ has rank <= r, so that split is exact (with ``sync="full"``, and
+        with ``split="tangent"``, whose merge has rank <= 2r, W is cut back to r,
+        as at a scheduled truncation). With ``split="tangent"`` the A- and
+        B-groups hold U·σ | Vᵀ and U | σ·Vᵀ of that one W, so their A·B agree up
+        to the rounding of the two products, not bit for bit. The schedule
+        does not move: the next sync still falls at the next multiple of
+        ``cycle_steps``, no LR ramp starts, ranks are not re-chosen. Factor
+        moments are kept as at every re-decomposition (``optimizer_state``).
+        """
+        optimizer = self._optimizer
+        if optimizer is None:
+            raise ValueError("consensus() inside an AB phase needs the optimizer: call method.attach(opt) first")
+        if self._apart_locally():  # a full-rank phase of local steps: the model averaged, nothing cut
+            self._average_local(optimizer)
+            return
+        ranks = {fp.name: fp.rank for fp in self.state.low()}
+        self._sync(optimizer)
+        self.decomposer.resplit(optimizer, ranks, dense_follows=self.schedule.rebound > 0)
+        self._after_decomposition()
+        self.state.agreed_at = self.state.t
+
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        """End inside an AB phase with a last sync, so that every worker holds the same full-rank model."""
+        if self._apart_locally():  # a run that ends in a full-rank phase of local steps
+            self._average_local(optimizer)
+        elif not self.in_consensus():
+            self._sync(optimizer)
+            self.state.parts = {}  # no decomposition follows
+            self.state.switch_step = self.state.t
+        elif self.state.bases and self.phase == "ab":
+            self.syncer.settle_tangent()
 
     # -- results and checkpoints -------------------------------------------
+    def dense_size(self) -> tuple[int, int]:
+        """The dense model the factorised layers stand for: each W at its full size, A and B left out."""
+        if self.module is None or not self.state.records:
+            return super().dense_size()
+        records = self.state.records
+        return lowrank.full_param_count(self.module, records), lowrank.full_tensor_count(self.module, records)
+
+    def held_state(self) -> dict[str, Any]:
+        """The parts' tensors under the names results.json has reported them by: the gradient reducers, the frozen
+        factors and kept singular vectors of the phase state, the sync compressor's memories."""
+        own = {k: v for k, v in super().held_state().items()
+               if k not in ("state", "dense", "overlap", "compressor", "syncer", "decomposer", "output")}
+        return {**own, "dense": self.dense, "overlap": self.overlap, "_frozen": self.state.frozen,
+                "_bases": self.state.bases, "_compressor": self.compressor, "_parts": self.state.parts}
+
     def extra_results(self) -> dict[str, Any]:
-        sched = self._sched()
+        sched, st = self.schedule, self.state
         return {
-            "compression_ratio": self.ratio,
-            **({"model_params": self.ranks[-1]["model_params"]} if self.ranks else {}),
-            "ranks": self.ranks,
-            "phases": sched.ranges(self.t),
+            "compression_ratio": st.ratio,
+            **({"model_params": st.ranks[-1]["model_params"]} if st.ranks else {}),
+            "ranks": st.ranks,
+            "phases": sched.ranges(st.t),
             "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps, "rebound_steps": sched.rebound,
                          "lr_rebound_steps": sched.lr_rebound},
-            "kept_output_layers": self.kept,
-            "svd_seconds": self.svd_seconds,
-            "svd_counts": dict(self.svd_counts),
-            "sync_seconds": self.sync_seconds,
-            "syncs": self.syncs,
-            "role": self.role,
+            "kept_output_layers": st.kept,
+            "svd_seconds": st.svd_seconds,
+            "svd_counts": dict(st.svd_counts),
+            "sync_seconds": st.sync_seconds,
+            "syncs": st.syncs,
+            "role": st.role,
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Schedule position, ranks and timers. Factors, W and the layers' modes live in the model's state_dict."""
-        return {"t": self.t, "switch_step": self._switch_step, "ranks": self.ranks, "role": self.role,
-                "kept": self.kept, "output_searched": self.output_searched, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds, "syncs": self.syncs,
-                "svd_counts": dict(self.svd_counts), "ratio": self.ratio, "dense": self.dense.state_dict(), "frozen": dict(self._frozen),
-                "vectors": dict(self._bases),
-                "sync_compressor": self._compressor.state_dict() if self._compressor is not None else None}
+        """The phase state, the gradient and sync compressors' memories. Factors, W and the layers' modes live in
+        the model's state_dict."""
+        return {**self.state.state_dict(), "output_searched": self.output.searched, "dense": self.dense.state_dict(),
+                "sync_compressor": self.compressor.state_dict() if self.compressor is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
-        if state.get("role", self.role) != self.role:
-            raise ValueError(f"checkpoint was written by a worker of role {state['role']}, this worker trains "
-                             f"{self.role}: the group layout differs (--group-size, number of workers)")
-        self.t = state["t"]
-        self._switch_step = state["switch_step"]
-        self.ranks = state["ranks"]
-        self.kept = list(state["kept"])
+        self.state.load_state_dict(state)
         if state["output_searched"]:
-            self._stop_output_search()  # the output layer was looked for before the checkpoint
-        self.svd_seconds = state["svd_seconds"]
-        self.sync_seconds = state["sync_seconds"]
-        self.syncs = int(state.get("syncs", 0))
-        self.svd_counts = dict(state.get("svd_counts", {"full": 0, "updated": 0}))
-        self.ratio = state["ratio"]
+            self.output.stop()  # the output layer was looked for before the checkpoint
         self.dense.load_state_dict(state["dense"])
-        self._frozen = dict(state.get("frozen", {}))
-        self._bases = {name: tuple(b) for name, b in state.get("vectors", {}).items()}
-        if state.get("bases"):  # a checkpoint that holds each layer's whole SVD, not only the vectors kept here
-            a_role = self._trained_role() == "A"
-            self._bases = {name: (u if a_role else vh, s) for name, (u, s, vh) in state["bases"].items()}
-        if self._compressor is not None and state.get("sync_compressor") is not None:
-            if "errors" not in state["sync_compressor"]:
-                raise ValueError("checkpoint holds the low-rank sync's memories in an earlier layout; "
-                                 "resume it with the abtrain that wrote it or start the run again")
-            self._compressor.load_state_dict(state["sync_compressor"])
+        if self.compressor is not None and state["sync_compressor"] is not None:
+            self.compressor.load_state_dict(state["sync_compressor"])
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
-        for fp in self.records:
+        for fp in self.state.records:
             lowrank.set_mode([fp], fp.mode)
-        lowrank.set_trainable(self.records, self._trained_role())
+        lowrank.set_trainable(self.state.records, self.state.role)
         self._watch_gradients()
 
 
@@ -267,4 +392,3 @@ register(MethodSpec("ab", ABTraining, "AB-training", "low-rank factors trained b
                     short_run_args=("--ab-warmup-steps", "2", "--ab-cycle-steps", "3", "--ab-rebound-steps", "1",
                                     "--ab-lr-rebound-steps", "0"),
                     check_topology=check_topology, check_run=check_run, group_layout=group_layout))
-

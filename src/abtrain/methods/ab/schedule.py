@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ... import lowrank
+from . import lowrank
 from .config import ABConfig
 
 
@@ -27,6 +27,11 @@ class Schedule:
     lr_rebound: int
     total: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.rebound >= self.cycle_steps:
+            raise ValueError(f"--ab-rebound-steps (F={self.rebound}) must be smaller than the cycle "
+                             f"({self.cycle_steps} steps): each cycle is F rebound steps, then AB steps")
+
     @classmethod
     def from_config(cls, cfg: ABConfig, total: int | None) -> "Schedule":
         """Steps from the config: absolute options where given, else the fractions of ``total``."""
@@ -41,8 +46,6 @@ class Schedule:
         else:
             rebound = (min(cycle_steps - 1, max(1, round(cfg.rebound_fraction * cycle_steps)))
                        if cfg.rebound_fraction else 0)
-        if rebound >= cycle_steps:
-            raise ValueError(f"--ab-rebound-steps (F={rebound}) must be smaller than the cycle ({cycle_steps} steps)")
         if cfg.lr_rebound_steps is not None:
             lr_rebound = cfg.lr_rebound_steps
         else:
@@ -109,5 +112,5 @@ class Schedule:
 
 def check_run(cfg: ABConfig, model: nn.Module, total_steps: int) -> None:
     """Refuse a schedule or model AB-training cannot run, before any worker starts."""
-    Schedule.from_config(cfg, total_steps)  # a rebound as long as the cycle fails here, not in the workers
+    Schedule.from_config(cfg, total_steps)  # the schedule's own rule (F < the cycle) fails here, not in the workers
     lowrank.prepare_model(copy.deepcopy(model), full_rank_patterns=cfg.patterns, min_rank=cfg.min_rank)

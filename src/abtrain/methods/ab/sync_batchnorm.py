@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..comm.communicator import Communicator
-from ..comm.group import Group
+from ...comm.communicator import Communicator
+from ...comm.group import Group
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):

@@ -2,7 +2,7 @@
 
 :func:`prepare_model` puts a :class:`LowRankWeight` on each factorisable weight;
 :func:`set_mode` and :func:`set_trainable` choose what the forward pass uses and
-what trains; :func:`plain_state_dict` folds the parametrizations back into plain weights.
+what trains (:func:`abtrain.methods.loop.plain_state_dict` folds the parametrizations back into plain weights).
 """
 
 from __future__ import annotations
@@ -357,27 +357,3 @@ def set_trainable(records: Iterable[FactorizedParam], role: str) -> None:
             fp.A.grad = None
         if not fp.B.requires_grad:
             fp.B.grad = None
-
-
-@torch.no_grad()
-def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """``model.state_dict()`` with every parametrized weight replaced by the weight its forward uses.
-
-    ``features.3.parametrizations.weight.original`` (and the factors ``...weight.0.A``,
-    ``...0.B``, the mode in ``..._extra_state``) become one ``features.3.weight``
-    holding W in full mode or ``(A @ B).reshape(shape)`` in low-rank mode: the
-    keys and shapes of the model before :func:`prepare_model`, so the result loads
-    into a freshly built instance of the user's model class.
-    """
-    out: dict[str, Tensor] = {}
-    for key, value in model.state_dict().items():
-        if ".parametrizations." not in f".{key}":
-            out[key] = value
-            continue
-        owner, _, rest = f".{key}".rpartition(".parametrizations.")
-        pname, _, leaf = rest.partition(".")
-        if leaf != "original":
-            continue  # factors and modes: folded into the weight below
-        module = model.get_submodule(owner.lstrip("."))
-        out[f"{owner.lstrip('.')}.{pname}".lstrip(".")] = getattr(module, pname).detach().clone()
-    return out

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ...registry import MethodInputError
 from .layers import Factor, FactorizedParam, Split, release_weight, replace_data, restore_weight, set_mode
 from .optimizer_state import map_state, resize_state
 
@@ -23,7 +24,7 @@ class SVD(NamedTuple):
     Vh: Tensor
 
 
-class SVDError(RuntimeError):
+class SVDError(MethodInputError):
     """A weight could not be decomposed (non-finite values, or no SVD in float32 nor float64)."""
 
 

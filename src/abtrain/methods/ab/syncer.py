@@ -1,62 +1,111 @@
-"""AB-training's sync: every worker leaves it with one model (W = Ā·B̄), in one of four modes."""
+"""AB-training's sync: every worker leaves it with one model (W = Ā·B̄), in one of four modes.
+
+:class:`Syncer` averages the groups' factors (or their changes of W) and every full-rank tensor over all
+workers, merges them into W, and with ``dense_comm="local"`` averages the model once at the end of a
+full-rank phase of local steps. It reads and writes the :class:`~.state.PhaseState` it is handed (what the
+phase kept of its SVD, the frozen factors for the optimizer state's map, the parts of W for an updated SVD).
+"""
 
 from __future__ import annotations
 
 import time
 
 import torch
+from torch import nn
 
-from ... import lowrank
 from ...comm.communicator import Communicator
 from ...comm.group import Group
-from ...compress.powersgd import PowerSGDReducer
+from ...comm.topology import Topology
+from ...compress.wire import WIRE_DTYPES
 from ..base import optimizer_moments
-from .config import TANGENT_CORES
-from .core import ABCore, full_rank_tensors
+from . import lowrank
+from .compressor import SyncCompressor
+from .config import TANGENT_CORES, ABConfig
+from .state import PhaseState
 
 
-class ABSync(ABCore):
-    """The sync part of :class:`~.method.ABTraining`: the groups averaged into one full-rank model."""
+class Syncer:
+    """The groups averaged into one full-rank model.
+
+    ``train_group``: the workers that average their gradients in an AB phase (the whole world with
+    ``only_b_groups="world"``, whose sync then averages only the buffers); ``compressor``: the low-rank sync
+    payload's, None unless ``sync_payload="lowrank"``.
+    """
+
+    def __init__(self, cfg: ABConfig, comm: Communicator, topo: Topology, state: PhaseState, train_group: Group,
+                 compressor: SyncCompressor | None) -> None:
+        self.cfg, self.comm, self.topo, self.state = cfg, comm, topo, state
+        self.train_group = train_group
+        self.compressor = compressor
+        self.wire_dtype = WIRE_DTYPES[cfg.sync_dtype]
+        # the first half of the groups (at least one) train A: their workers come first in rank order
+        self.a_workers = max(1, topo.num_groups // 2) * topo.group_size
 
     @torch.no_grad()
-    def _sync(self, optimizer: torch.optim.Optimizer) -> None:
-        """Average the groups into one model."""
+    def sync(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Average the groups into one model: every layer leaves it in full mode, W the same on every worker."""
+        st, cfg = self.state, self.cfg
         start = time.perf_counter()
-        self.syncs += 1
-        self.note_state_change()
-        low = [fp for fp in self.records if fp.mode == "lowrank"]
-        if self.cfg.optimizer_state == "map":
-            self._frozen = {fp.name: (fp.B if self._trained_role() == "A" else fp.A).detach().clone() for fp in low}
+        st.syncs += 1
+        low = st.low()
+        if cfg.optimizer_state == "map":
+            st.frozen = {fp.name: (fp.B if st.role == "A" else fp.A).detach().clone() for fp in low}
         with torch.profiler.record_function("abtrain::ab::sync"), self.comm.ledger.in_phase("sync"):
-            buffers = [b for b in self.module.buffers() if b.is_floating_point()]
-            full = full_rank_tensors(self.module, self.records)
-            if self.cfg.optimizer_state == "reset":
+            buffers = [b for b in module.buffers() if b.is_floating_point()]
+            full = full_rank_tensors(module, st.records)
+            if cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, full + [fp.weight for fp in low])
             # Parameters trained during the AB phase on every worker (full-rank ones)
             # carry group-specific optimizer moments: average them too, so that the
             # rebound that follows is exact data parallelism with one model everywhere.
-            rest = full + buffers + (optimizer_moments(optimizer, full) if self.cfg.sync_moments else [])
+            rest = full + buffers + (optimizer_moments(optimizer, full) if cfg.sync_moments else [])
             # tangent: Ā and B̄ were trained against different splits of one SVD; W adds their changes to it
-            bases = ({fp.name: self._basis(fp) for fp in low if fp.name in self._bases}
-                     if self.cfg.sync == "only-learned" else {})
-            changes = average_models(self.comm, self.topo.world, self.cfg.sync, low, rest, buffers, self.wire_dtype,
-                                     in_a=self.topo.rank in self.a_ranks, n_a=len(self.a_ranks),
+            bases = ({fp.name: st.basis(fp) for fp in low if fp.name in st.bases}
+                     if cfg.sync == "only-learned" else {})
+            changes = average_models(self.comm, self.topo.world, cfg.sync, low, rest, buffers, self.wire_dtype,
+                                     in_a=self.topo.rank < self.a_workers, n_a=self.a_workers,
                                      one_group=self.train_group is self.topo.world,
-                                     as_change=self._send_as_change(low, bases), compressor=self._compressor)
-            self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
-            factors = self._compressor.take_factors() if self._compressor is not None else {}
-            core = TANGENT_CORES[self.cfg.tangent_core]
+                                     as_change=self._send_as_change(low, bases), compressor=self.compressor)
+            factors = self.compressor.take_factors() if self.compressor is not None else {}
+            core = TANGENT_CORES[cfg.tangent_core]
             for fp in low:
                 if fp.mode != "lowrank":
                     continue
                 if fp.name in factors and fp.name in bases:  # svd="update": W from its parts, kept for the SVD
-                    self._parts[fp.name] = lowrank.tangent_parts(bases[fp.name], *factors[fp.name], core)
-                    lowrank.recompose(fp, parts=self._parts[fp.name])
+                    st.parts[fp.name] = lowrank.tangent_parts(bases[fp.name], *factors[fp.name], core)
+                    lowrank.recompose(fp, parts=st.parts[fp.name])
                 else:
                     lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name), core=core)
-            self._bases = {}
-            lowrank.set_trainable(self.records, "full")
-        self.sync_seconds += time.perf_counter() - start
+            st.bases = {}
+            lowrank.set_trainable(st.records, "full")
+        st.sync_seconds += time.perf_counter() - start
+
+    @torch.no_grad()
+    def average_local(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """dense_comm="local": the full-rank steps since the last sync were each worker's own. One all-reduce over
+        every worker averages the model (parameters and floating-point buffers, in the sync's wire dtype), one
+        inside each group the optimizer's moments, so that the decomposition that follows starts from one W and
+        the workers of a group, which average their gradients from then on, step alike."""
+        with torch.profiler.record_function("abtrain::ab::average_local"), self.comm.ledger.in_phase("sync"):
+            params = full_rank_tensors(module, self.state.records)  # a full-rank phase trains no factor
+            buffers = [b for b in module.buffers() if b.is_floating_point()]
+            self.comm.all_reduce_tensors(params + buffers, self.topo.world, wire_dtype=self.wire_dtype)
+            moments = optimizer_moments(optimizer, params)
+            if moments and self.train_group.size > 1:
+                self.comm.all_reduce_tensors(moments, self.train_group, wire_dtype=self.wire_dtype)
+        self.state.agreed_at = self.state.t
+
+    @torch.no_grad()
+    def settle_tangent(self) -> None:
+        """split="tangent", ending right after a decomposition: the groups hold U·σ | Vᵀ and U | σ·Vᵀ, whose
+        products differ in the last bits; every worker leaves with W = (U·σ)·Vᵀ of the one SVD they share
+        (the tangent merge of a phase in which neither group has changed W yet)."""
+        st = self.state
+        for fp in st.records:
+            if fp.name in st.bases and fp.mode == "lowrank":
+                lowrank.recompose(fp, st.basis(fp), fp.weight.new_zeros(fp.shape))
+        st.bases = {}
+        lowrank.set_trainable(st.records, "full")
 
     def _send_as_change(self, low: list[lowrank.FactorizedParam],
                         bases: dict[str, lowrank.SVD]) -> dict[str, lowrank.SVD]:
@@ -66,10 +115,17 @@ class ABSync(ABCore):
         what its memory holds is sent at a later sync."""
         if self.cfg.sync_payload == "factors":
             return {}
-        compressor = self._compressor
+        compressor = self.compressor
         return {fp.name: bases[fp.name] for fp in low
                 if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n)
                                          or (compressor is not None and compressor.rank_for(fp.m, fp.n) is not None))}
+
+
+def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:
+    """Parameters not represented by factors this phase (full-mode W, biases, norms, kept layers)."""
+    factor_ids = {id(t) for fp in records for t in (fp.A, fp.B)}
+    low_ids = {id(fp.weight) for fp in records if fp.mode == "lowrank"}
+    return [p for p in module.parameters() if id(p) not in factor_ids and id(p) not in low_ids]
 
 
 @torch.no_grad()
@@ -77,7 +133,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
                    rest: list[torch.Tensor], buffers: list[torch.Tensor], wire: torch.dtype | None, *,
                    in_a: bool, n_a: int, one_group: bool,
                    as_change: dict[str, lowrank.SVD] | None = None,
-                   compressor: PowerSGDReducer | None = None) -> dict[str, torch.Tensor]:
+                   compressor: SyncCompressor | None = None) -> dict[str, torch.Tensor]:
     """Average the factors of the ``low`` layers and ``rest`` over ``world`` as the sync ``mode`` says.
 
     ``in_a``: this worker trained A; ``n_a``: workers that trained A; ``one_group``:
@@ -108,7 +164,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
 def _average_learned(comm: Communicator, world: Group, low: list[lowrank.FactorizedParam],
                      rest: list[torch.Tensor], wire: torch.dtype | None, *, in_a: bool, n_a: int,
                      as_change: dict[str, lowrank.SVD],
-                     compressor: PowerSGDReducer | None = None) -> dict[str, torch.Tensor]:
+                     compressor: SyncCompressor | None = None) -> dict[str, torch.Tensor]:
     """only-learned: mean of A over the A-groups, mean of B over the B-groups, the rest over everyone.
 
     One summed all-reduce (the bytes of with-stale): each worker contributes its
@@ -145,6 +201,7 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
     contrib += [t / world.size for t in rest]
     comm.all_reduce_tensors(contrib, world, average=False, wire_dtype=wire)
     if compressed:
+        assert compressor is not None
         compressor.reduce(list(compressed.items()), world)  # in place: each share becomes the summed change
     changes = dict(compressed)
     received = iter(contrib)

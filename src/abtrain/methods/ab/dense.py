@@ -1,17 +1,17 @@
-"""The reducers that average full gradients, chosen by a flag's value (AB-training's ``--ab-dense-comm``)."""
+"""How AB-training's full-rank phases (warm-up, rebounds) average their gradients: ``--ab-dense-comm``."""
 
 from __future__ import annotations
 
-from ..comm.communicator import Communicator
-from .powersgd import PowerSGDReducer
-from .reducer import AllReduce, BF16AllReduce, NoReduce, Reducer
-from .wire import WIRE_DTYPES
+from ...comm.communicator import Communicator
+from ...compress.powersgd import PowerSGDReducer
+from ...compress.reducer import AllReduce, BF16AllReduce, NoReduce, Reducer
+from ...compress.wire import WIRE_DTYPES
 
 DENSE_REDUCERS = ("fp32", "bf16", "powersgd", "local")
 
 
-def build_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0,
-                  powersgd_dtype: str = "fp32") -> Reducer:
+def build_dense_reducer(kind: str, comm: Communicator, rank: int = 4, seed: int = 0,
+                        powersgd_dtype: str = "fp32") -> Reducer:
     """The reducer called ``kind`` (one of :data:`DENSE_REDUCERS`); ``powersgd_dtype``: its P and Q on the wire."""
     if kind == "fp32":
         return AllReduce(comm)

@@ -19,17 +19,19 @@ This package is single-process. Where workers must agree (the rank of each layer
 the pieces are exposed separately: :func:`svd` (or :func:`svd_update`) -> :meth:`RankRule.choose` ->
 all-reduce(MAX) by the caller -> :func:`decompose` / :func:`decompose_all`.
 
-Its rooms: ``layers`` (the parametrization, preparing a model, modes, plain
-state_dict), ``ranks`` (rank rules), ``decompose`` (SVD, factors, initialisation),
-``optimizer_state`` (the factors' optimizer state resized, mapped into a new basis
-or dropped), ``report`` (counts, ratios, per-layer lines, the output layer).
+Its rooms: ``layers`` (the parametrization, preparing a model, modes), ``ranks``
+(rank rules), ``decompose`` (SVD, factors, initialisation), ``optimizer_state``
+(the factors' optimizer state resized, mapped into a new basis or dropped),
+``report`` (counts, ratios, per-layer lines, the output layer). The plain
+state_dict that folds the parametrizations back is every method's export
+(:func:`abtrain.methods.loop.plain_state_dict`).
 """
 
 
 from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, ortho_sigma_init, recompose, svd,
                         svd_update, tangent_parts)
 from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
-                     plain_state_dict, prepare_model, set_mode, set_trainable)
+                     prepare_model, set_mode, set_trainable)
 from .optimizer_state import map_state, reset_state, resize_state
 from .ranks import RankRule, factors_compress, paying_rank, state_rank
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
@@ -60,7 +62,6 @@ __all__ = [
     "ortho_sigma_init",
     "output_weights",
     "paying_rank",
-    "plain_state_dict",
     "prepare_model",
     "recompose",
     "reset_state",
