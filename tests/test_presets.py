@@ -21,7 +21,7 @@ import torch
 from abtrain.cli import build_parser, config_from_args
 from abtrain.config import TrainConfig
 from abtrain.data import Dataset, Split
-from abtrain.lowrank import prepare_model
+from abtrain.methods.ab.lowrank import prepare_model
 from abtrain.methods.ab.config import ABConfig
 from abtrain.methods.ab.schedule import Schedule
 from abtrain.models import build_model
