@@ -49,7 +49,8 @@ def test_paper_fractions_scale_with_the_budget(total):
 @pytest.mark.parametrize("total", [60, 702, 2000, 45000])
 def test_default_fractions_scale_with_the_budget(total):
     s = Schedule.from_config(ABConfig(), total)
-    assert s.warmup == round(0.01 * total) and s.cycle_steps == max(2, round(0.015 * total))
+    assert s.warmup == round(0.01 * total) and s.cycle_steps == max(16, round(0.015 * total))  # the floor: 16
+    assert (s.floored_from is not None) == (round(0.015 * total) < 16)
     assert s.rebound == 0 and s.lr_rebound == 0  # the next decomposition follows each sync at once
     phases = _phases(s, total)
     assert phases == [("warmup", 0, s.warmup), ("ab", s.warmup, total)]
@@ -57,7 +58,7 @@ def test_default_fractions_scale_with_the_budget(total):
     # an AB phase (leaving attach() brings every worker to one model)
     scheduled = len([k for k in range(1, total // s.cycle_steps + 1) if s.warmup < k * s.cycle_steps <= total])
     assert s.syncs() == scheduled + (1 if total % s.cycle_steps else 0)
-    assert s.syncs() == (30 if total == 60 else 64 if total == 702 else 67)  # about 67 once K is not rounded up to 2
+    assert s.syncs() == {60: 4, 702: 44, 2000: 67, 45000: 67}[total]
 
 
 def test_the_paper_preset_file_is_the_paper_dict_and_differs_from_every_default():

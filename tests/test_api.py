@@ -126,7 +126,9 @@ def test_last_lr_is_the_lr_applied():
 def test_quiet_and_printed_once(capsys):
     abtrain.setup("ab", total_steps=40, sync="only-b")
     out = capsys.readouterr().out
-    assert out.count("AB-training schedule: warm-up 0 steps, sync every 2") == 1  # 1 % and 1.5 % of the 40 steps
+    # 1 % of the 40 steps, and 1.5 % of them (every 1) raised to the floor
+    assert out.count("AB-training schedule: warm-up 0 steps, sync every 16 (the floor, --ab-min-cycle-steps: the "
+                     "cycle fraction gives every 2 in a run this short)") == 1
     abtrain.setup("ab", total_steps=40, sync="only-b", quiet=True)
     abtrain.setup("ab", sync="only-b", warmup_steps=4, cycle_steps=4, quiet=True)  # planned while built
     assert capsys.readouterr().out == ""

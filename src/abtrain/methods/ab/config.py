@@ -33,7 +33,7 @@ PAPER: dict[str, Any] = {
     "warmup_fraction": 0.25, "cycle_fraction": 0.06, "rebound_fraction": 0.1, "lr_rebound_fraction": 0.3,
     "tau": 0.15, "sync": "with-stale", "split": "sqrt", "dense_comm": "fp32", "powersgd_rank": 4,
     "powersgd_dtype": "fp32", "sync_dtype": "fp32", "optimizer_state": "keep", "rank_cap": "none",
-    "sync_moments": False, "min_rank": 1, "init": "ortho-sigma",
+    "sync_moments": False, "min_rank": 1, "init": "ortho-sigma", "min_cycle_steps": 1,
 }
 
 
@@ -57,6 +57,7 @@ class ABConfig(Options):
     lr_rebound_fraction: float = opt(0.0, "learning-rate ramp after each phase switch (R) as a share of the cycle, 0 for none; --ab-lr-rebound-steps overrides it")
     warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
     cycle_steps: int | None = opt(None, "steps per cycle, instead of the fraction: a sync at every multiple of it after the warm-up")
+    min_cycle_steps: int = opt(16, "fewest steps between two syncs when the cycle comes from --ab-cycle-fraction: a short run syncs no more often (each sync costs a decomposition of every factorised layer); 1 for no floor")
     rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F, less than a cycle), instead of the fraction; 0 re-decomposes right after the sync")
     lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
     tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")
@@ -107,6 +108,8 @@ class ABConfig(Options):
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
         if self.cycle_steps is not None and self.cycle_steps < 1:
             raise ValueError(f"--ab-cycle-steps must be a positive integer, got {self.cycle_steps!r}")
+        if self.min_cycle_steps < 1:
+            raise ValueError(f"--ab-min-cycle-steps must be a positive integer, got {self.min_cycle_steps!r}")
         for name in ("warmup_fraction", "cycle_fraction", "rebound_fraction", "lr_rebound_fraction"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0 or (name == "cycle_fraction" and value == 0.0):

@@ -18,7 +18,8 @@ class Schedule:
 
     ``warmup`` (T_w) full-rank steps, then a sync at every multiple of ``cycle_steps`` after them, each
     followed by ``rebound`` (F) full-rank steps; ``lr_rebound`` (R): the learning-rate ramp after each
-    phase switch.
+    phase switch. ``floored_from``: the cycle the fraction gave where the floor (``min_cycle_steps``)
+    raised it, else None.
     """
 
     warmup: int
@@ -26,6 +27,7 @@ class Schedule:
     rebound: int
     lr_rebound: int
     total: int | None = None
+    floored_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.rebound >= self.cycle_steps:
@@ -40,7 +42,13 @@ class Schedule:
                              "(abtrain.setup(..., total_steps=N) or method.set_total_steps(N)), or set warmup_steps and "
                              "cycle_steps (--ab-warmup-steps, --ab-cycle-steps)")
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_fraction * total)
-        cycle_steps = cfg.cycle_steps if cfg.cycle_steps is not None else max(2, round(cfg.cycle_fraction * total))
+        floored_from = None
+        if cfg.cycle_steps is not None:
+            cycle_steps = cfg.cycle_steps
+        else:
+            cycle_steps = max(2, round(cfg.cycle_fraction * total))
+            if cycle_steps < cfg.min_cycle_steps:
+                floored_from, cycle_steps = cycle_steps, cfg.min_cycle_steps
         if cfg.rebound_steps is not None:
             rebound = cfg.rebound_steps
         else:
@@ -51,7 +59,7 @@ class Schedule:
         else:
             lr_rebound = (max(rebound + 1, round(cfg.lr_rebound_fraction * cycle_steps))
                           if cfg.lr_rebound_fraction else 0)
-        return cls(warmup, cycle_steps, rebound, lr_rebound, total)
+        return cls(warmup, cycle_steps, rebound, lr_rebound, total, floored_from)
 
     def phase_at(self, t: int) -> str:
         """Phase of optimizer step ``t`` (0-based).
@@ -104,7 +112,11 @@ class Schedule:
         return out
 
     def describe(self) -> str:
-        text = f"warm-up {self.warmup} steps, sync every {self.cycle_steps}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
+        every = f"sync every {self.cycle_steps}"
+        if self.floored_from is not None:
+            every += (f" (the floor, --ab-min-cycle-steps: the cycle fraction gives every {self.floored_from} in a run "
+                      "this short)")
+        text = f"warm-up {self.warmup} steps, {every}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
         if self.total is not None:
             text += f": {self.syncs()} syncs in {self.total} steps"
         return text
