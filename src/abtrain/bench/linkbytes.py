@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ..run.results import human_bytes
+from ..methods.summary import human_bytes
 from .projection import row_group_size
 
 TOLERANCE = 0.10  # measured / expected within ±10 %
