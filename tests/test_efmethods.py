@@ -359,8 +359,8 @@ def test_bad_options_say_how_to_fix_them(args, message):
 # -- the bench ---------------------------------------------------------------------------------------------
 def test_bench_reports_the_all_to_all_of_onebit(tmp_path):
     """The report and its projection read all_to_all rows (ef21 and hlocalsgd use collectives they knew)."""
-    from abtrain.bench import BenchConfig, run_bench
-    from abtrain.bench.projection import group_size_of
+    from abtrain.sidebyside import BenchConfig, run_bench
+    from abtrain.sidebyside.alphabeta import group_size_of
 
     assert group_size_of("all_to_all", 1000, wire_bytes("all_to_all", 1000, 4)) == 4
     report = run_bench(BenchConfig(workload="tiny", methods=["ddp", "onebit"], out=str(tmp_path / "bench")))

@@ -149,7 +149,7 @@ def _path(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None
 #: The imports placed inside a function on purpose, by module, with why each cannot be at the top. None of them
 #: may close a circle (test_no_function_level_import_hides_a_circle): a function-level import never works around one.
 LAZY_IMPORTS: dict[str, tuple[set[str], str]] = {
-    "abtrain.cli": ({"abtrain.bench", "abtrain.bench.workloads", "abtrain.config", "abtrain.data",
+    "abtrain.cli": ({"abtrain.sidebyside", "abtrain.sidebyside.workloads", "abtrain.config", "abtrain.data",
                      "abtrain.fetch", "abtrain.methods", "abtrain.methods.registry", "abtrain.models",
                      "abtrain.run.checkpoint", "abtrain.run.launch", "abtrain.run.rundir", "abtrain.run.safefile"},
                     "only the standard library at the top: main() installs the signal handlers before torch loads"),
@@ -159,16 +159,16 @@ LAZY_IMPORTS: dict[str, tuple[set[str], str]] = {
 
 
 def test_the_cycle_finder_finds_a_cycle():
-    graph = {"abtrain.bench.a": {"abtrain.bench.b"}, "abtrain.bench.b": {"abtrain.bench.c"},
-             "abtrain.bench.c": {"abtrain.bench.a"}, "abtrain.x": set()}
-    assert find_cycle(graph) == ["abtrain.bench.a", "abtrain.bench.b", "abtrain.bench.c", "abtrain.bench.a"]
+    graph = {"abtrain.sidebyside.a": {"abtrain.sidebyside.b"}, "abtrain.sidebyside.b": {"abtrain.sidebyside.c"},
+             "abtrain.sidebyside.c": {"abtrain.sidebyside.a"}, "abtrain.x": set()}
+    assert find_cycle(graph) == ["abtrain.sidebyside.a", "abtrain.sidebyside.b", "abtrain.sidebyside.c", "abtrain.sidebyside.a"]
     assert find_cycle({"abtrain.x": {"abtrain.y"}, "abtrain.y": set()}) is None
 
 
 def test_imports_under_type_checking_are_edges(tmp_path):
     path = tmp_path / "a.py"
     path.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .b import B\n")
-    assert "abtrain.bench.b" in _imports(str(path), "abtrain.bench.a")
+    assert "abtrain.sidebyside.b" in _imports(str(path), "abtrain.sidebyside.a")
 
 
 def test_importing_a_module_runs_the_packages_above_it():
@@ -194,8 +194,8 @@ def test_a_function_level_import_that_closes_a_circle_is_found(tmp_path):
 
 def test_bench_has_no_import_circle():
     graph = import_graph()
-    assert "abtrain.bench.report" in graph and "abtrain.bench.plots" in graph["abtrain.bench.report"]
-    assert find_cycle(graph, "abtrain.bench") is None, find_cycle(graph, "abtrain.bench")
+    assert "abtrain.sidebyside.report" in graph and "abtrain.sidebyside.plots" in graph["abtrain.sidebyside.report"]
+    assert find_cycle(graph, "abtrain.sidebyside") is None, find_cycle(graph, "abtrain.sidebyside")
 
 
 def test_package_has_no_import_circle():

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..methods import METHODS
 from . import netns
-from .projection import NetworkModel
+from .alphabeta import NetworkModel
 from .workloads import DEFAULT_METHODS, get_workload
 
 

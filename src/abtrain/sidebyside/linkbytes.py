@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from ..methods.summary import human_bytes
-from .projection import row_group_size
+from .alphabeta import row_group_size
 
 TOLERANCE = 0.10  # measured / expected within ±10 %
 HEADER_BYTES = 66  # Ethernet + IPv4 + TCP with timestamps, per packet the interface counts

@@ -20,7 +20,7 @@ from .config import BenchConfig
 from .linkbytes import link_check
 from .linkbytes import render as render_links
 from .plots import ordered_phases, write_plots
-from .projection import compute_per_step, project, project_scaled, render_scaled
+from .alphabeta import compute_per_step, project, project_scaled, render_scaled
 from .workloads import Workload
 
 
