@@ -66,15 +66,22 @@ class SignCodec(Codec):
                              f"got {length}")
         self.length = length
         self.starts = sorted({0} | {s for s in starts if 0 <= s < length})
-        bounds = torch.tensor(self.starts, dtype=torch.int64)
-        ids = torch.searchsorted(bounds, torch.arange(length, dtype=torch.int64), right=True) - 1
         self.scales = len(self.starts) if scales is None else scales
         if self.scales < len(self.starts):
             raise ValueError(f"{len(self.starts)} segments need at least as many scales, got {self.scales}")
         self.device = device
-        self.ids = ids.to(device)
-        self.counts = torch.bincount(ids, minlength=self.scales).to(device=device, dtype=torch.float32)
+        # Built at the first encode or decode: a buffer only ever cut in slices never holds its own.
+        self._ids: torch.Tensor | None = None  # each element's segment
+        self._counts: torch.Tensor | None = None  # each segment's elements (float32)
         self._slices: dict[tuple[int, int], list[Codec]] = {}
+
+    def _segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._ids is None or self._counts is None:
+            bounds = torch.tensor(self.starts, dtype=torch.int64)
+            ids = torch.searchsorted(bounds, torch.arange(self.length, dtype=torch.int64), right=True) - 1
+            self._ids = ids.to(self.device)
+            self._counts = torch.bincount(ids, minlength=self.scales).to(device=self.device, dtype=torch.float32)
+        return self._ids, self._counts
 
     def message_bytes(self, numel: int) -> int:
         if numel != self.length:
@@ -82,12 +89,13 @@ class SignCodec(Codec):
         return self.length // 8 + 4 * self.scales
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        scales = torch.zeros(self.scales, dtype=torch.float32, device=x.device).index_add_(0, self.ids, x.abs())
-        return torch.cat([pack_signs(x), scales.div_(self.counts.clamp(min=1)).view(torch.uint8)])
+        ids, counts = self._segments()
+        scales = torch.zeros(self.scales, dtype=torch.float32, device=x.device).index_add_(0, ids, x.abs())
+        return torch.cat([pack_signs(x), scales.div_(counts.clamp(min=1)).view(torch.uint8)])
 
     def decode(self, message: torch.Tensor) -> torch.Tensor:
         signs = self.length // 8
-        return unpack_signs(message[:signs]).mul_(as_floats(message[signs:])[self.ids])
+        return unpack_signs(message[:signs]).mul_(as_floats(message[signs:])[self._segments()[0]])
 
     def for_slices(self, length: int, count: int) -> list[Codec]:
         """One codec per slice: its segments those of this buffer inside it, cut at its start."""
