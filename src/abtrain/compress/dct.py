@@ -111,13 +111,6 @@ class DCTTopKCodec(SparseCodec):
         self.numels = [math.prod(shape) for shape in shapes]
         self.coefficients = sum(t.chunks * t.elements for t in self.transforms)
         self.k = sum(t.chunks * k for t, k in zip(self.transforms, self.ks))
-        # Per entry of a message, the index in the coefficients of its chunk's first element.
-        firsts, offset = [], 0
-        for t, k in zip(self.transforms, self.ks):
-            rows = torch.arange(t.chunks, dtype=torch.int64, device=device) * t.elements + offset
-            firsts.append(rows.repeat_interleave(k))
-            offset += t.chunks * t.elements
-        self.firsts = torch.cat(firsts) if firsts else torch.zeros(0, dtype=torch.int64, device=device)
 
     def message_bytes(self, numel: int) -> int:
         return 6 * self.k
@@ -133,7 +126,17 @@ class DCTTopKCodec(SparseCodec):
 
     def entries(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         local = message[4 * self.k:].clone().view(torch.int16).long()
-        return as_floats(message[:4 * self.k]), self.firsts + local
+        return as_floats(message[:4 * self.k]), self._chunk_starts(message.device) + local
+
+    def _chunk_starts(self, device: torch.device) -> torch.Tensor:
+        """Per entry of a message, the index in the coefficients of its chunk's first element (built per call,
+        a few operations on ``K`` integers, rather than held beside the model)."""
+        starts, offset = [], 0
+        for t, k in zip(self.transforms, self.ks):
+            rows = torch.arange(t.chunks, dtype=torch.int64, device=device) * t.elements + offset
+            starts.append(rows.repeat_interleave(k))
+            offset += t.chunks * t.elements
+        return torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int64, device=device)
 
     def synthesize(self, coefficients: torch.Tensor) -> torch.Tensor:
         sizes = [t.chunks * t.elements for t in self.transforms]
