@@ -117,13 +117,16 @@ class DeMo(GradientMethod):
                          "message_bytes": self.message_bytes}}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "momentum": self.momentum.clone()}
+        # One tensor per parameter, of its shape: the momentum as the authors' optimizer holds it.
+        return {"t": self.t, "momentum": [m.view_as(p).clone() for m, p in zip(self.momentum.split(self.numels),
+                                                                                  self.params)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["momentum"].shape != self.momentum.shape:
+        if [m.shape for m in state["momentum"]] != [p.shape for p in self.params]:
             raise ValueError("checkpoint's DeMo momentum does not fit this model")
         self.t = state["t"]
-        self.momentum.copy_(state["momentum"])
+        for m, saved in zip(self.momentum.split(self.numels), state["momentum"]):
+            m.copy_(saved.reshape(-1))
 
 
 register(MethodSpec("demo", DeMo, "DeMo", "decoupled momentum: each worker's momentum stays local, its top-k DCT "

@@ -211,7 +211,8 @@ class StreamingDiLoCo(PeriodicMethod):
         if len(state["outer"]) != len(self.outer):
             raise ValueError(f"checkpoint's Streaming DiLoCo state has {len(state['outer'])} fragments, this run "
                              f"{len(self.outer)}")
-        super().load_state_dict(state)
+        # A state may lack "syncs" (exchanges of any fragments; Streaming DiLoCo reports per fragment): 0 then.
+        super().load_state_dict({"syncs": 0, **state})
         self.exchanges = list(state["exchanges"])
         self.pending = [None if d < 0 else d for d in state["pending"]]
         with torch.no_grad():
