@@ -24,8 +24,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-from abtrain.bench.netns import our_namespaces  # noqa: E402
-from abtrain.bench.report import time_to_reach  # noqa: E402
+from abtrain.sidebyside.netns import our_namespaces  # noqa: E402
+from abtrain.sidebyside.report import time_to_reach  # noqa: E402
 
 METHODS = "none,ddp,powersgd,localsgd,diloco,ab"
 

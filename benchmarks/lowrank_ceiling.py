@@ -28,7 +28,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 from abtrain.methods.ab import lowrank  # noqa: E402
-from abtrain.bench.workloads import get_workload  # noqa: E402
+from abtrain.sidebyside.workloads import get_workload  # noqa: E402
 from abtrain.cli import build_parser, config_from_args  # noqa: E402
 from abtrain.data import load_dataset, steps_per_epoch  # noqa: E402
 from abtrain.models import build_model, criterion  # noqa: E402

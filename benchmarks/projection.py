@@ -28,7 +28,7 @@ GPT-2 small (124 M). For each method, the time to reach a target metric is
   images), at 100 TFLOP/s sustained.
 - ``comm_m`` (modelled from measured bytes): every collective of the bench run's ledger, its
   payload scaled by (real parameters / bench parameters), so each method keeps the bytes per
-  parameter it sent, timed by :func:`abtrain.bench.projection.comm_seconds_per_step`: ``group``
+  parameter it sent, timed by :func:`abtrain.sidebyside.alphabeta.comm_seconds_per_step`: ``group``
   collectives inside a node of ``--node-size`` GPUs (``--intra-bw``), ``global`` ones between
   nodes over each network, on ``p`` workers; no overlap of compute and communication.
 
@@ -51,7 +51,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-from abtrain.bench.projection import NetworkModel, comm_seconds_per_step  # noqa: E402
+from abtrain.sidebyside.alphabeta import NetworkModel, comm_seconds_per_step  # noqa: E402
 
 #: bench workload -> (cost.py's model, the real model's name, its parameters, dense GFLOPs per step per GPU)
 MODELS = {

@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 
-from abtrain.bench.report import first_reaching
+from abtrain.sidebyside.report import first_reaching
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

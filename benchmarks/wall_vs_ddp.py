@@ -25,7 +25,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-from abtrain.bench.workloads import get_workload  # noqa: E402
+from abtrain.sidebyside.workloads import get_workload  # noqa: E402
 
 WORKLOADS = ("user-script", "fashion-cnn", "fashion-wide", "shakespeare-gpt")
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from abtrain.bench import BenchConfig, NetworkModel, parse_method_args, run_bench
-from abtrain.bench import netns
-from abtrain.bench.projection import (collective_seconds, comm_seconds_per_step, compute_per_step, epoch_seconds,
+from abtrain.sidebyside import BenchConfig, NetworkModel, parse_method_args, run_bench
+from abtrain.sidebyside import netns
+from abtrain.sidebyside.alphabeta import (collective_seconds, comm_seconds_per_step, compute_per_step, epoch_seconds,
                                       group_size_of, row_group_size)
-from abtrain.bench.report import pareto_front, time_to_reach
-from abtrain.bench.workloads import get_workload
+from abtrain.sidebyside.report import pareto_front, time_to_reach
+from abtrain.sidebyside.workloads import get_workload
 from abtrain.cli import build_parser, main
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
@@ -289,7 +289,7 @@ def _row(op, scope, payload, p, calls=1, dtype="float32"):
 
 
 def test_expected_link_bytes_on_hand_computed_numbers():
-    from abtrain.bench.linkbytes import expected_link_tx, link_check
+    from abtrain.sidebyside.linkbytes import expected_link_tx, link_check
     # 4 workers, nodes of 2 (= groups): a world all-reduce of 400 kB (1.5 x 400 kB per worker), a broadcast of
     # 100 kB from rank 0, a world all-gather of 10 kB each, and an in-group all-reduce of 200 kB.
     rows = [_row("all_reduce", "global", 400_000, 4), _row("broadcast", "global", 100_000, 4),
@@ -328,7 +328,7 @@ def _four_workers_in_two_nodes(script: str, spec: str, port: int) -> list[dict[s
 
 
 def test_gloo_framing_on_hand_computed_numbers():
-    from abtrain.bench.linkbytes import FRAME_BYTES, gloo_framing_tx, link_check, ring_allreduce_messages
+    from abtrain.sidebyside.linkbytes import FRAME_BYTES, gloo_framing_tx, link_check, ring_allreduce_messages
     assert FRAME_BYTES == 144  # three 48-byte preambles per message
     # Ring all-reduce at p = 4: 8 segments, 6 sent in each half; 1 MiB segments beyond 8 MiB (40 MiB: 40 segments).
     assert ring_allreduce_messages(4_000, 4, 4) == ring_allreduce_messages(8 << 20, 2, 4) == 12
@@ -376,7 +376,7 @@ dist.destroy_process_group()
 @pytest.mark.timeout(300)
 def test_node_payload_is_the_counted_data_plus_gloo_framing():
     """Many small collectives between 2 nodes: the TCP payload is the expected data plus gloo's 144 B per message."""
-    from abtrain.bench.linkbytes import HEADER_BYTES, expected_link_tx, gloo_framing_tx
+    from abtrain.sidebyside.linkbytes import HEADER_BYTES, expected_link_tx, gloo_framing_tx
     sent = _four_workers_in_two_nodes(_FRAMING_OPS, "rate=1gbit", 29535)
     payload = sum(d["tx_bytes"] - HEADER_BYTES * d["tx_packets"] for d in sent)
     rows = [_row("all_reduce", "global", 4_000 * 300, 4, calls=300),
@@ -413,7 +413,7 @@ c.close()
 @pytest.mark.parametrize("message", [2_000, 1_000_000])
 def test_link_counters_less_66_bytes_per_packet_are_the_tcp_payload(message):
     """A TCP transfer of known size between two nodes: both interfaces' tx less 66 B per packet is the payload."""
-    from abtrain.bench.linkbytes import HEADER_BYTES
+    from abtrain.sidebyside.linkbytes import HEADER_BYTES
     total = 8_000_000
     with netns.Network(2, netns.NetSpec.parse("rate=500mbit")) as net:
         before = net.counters()

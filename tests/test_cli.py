@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from abtrain.cli import build_parser, main
-from abtrain.run.results import human_bytes
+from abtrain.methods.summary import human_bytes
 from helpers import OLD_AB_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent

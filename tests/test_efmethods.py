@@ -16,9 +16,10 @@ from torch import nn
 from abtrain.cli import build_parser, config_from_args
 from abtrain.comm.communicator import Communicator
 from abtrain.comm.ledger import Ledger, wire_bytes
+from abtrain.comm.recording import LocalWorld
 from abtrain.comm.topology import Topology
-from abtrain.compress.sign import pack_signs, segment_ids, sign_compress, sign_decompress, unpack_signs
-from abtrain.compress.topk import topk_compress, topk_count
+from abtrain.compress.sign import SignCodec, pack_signs, segment_ids, unpack_signs
+from abtrain.compress.topk import TopKCodec, topk_compress, topk_count
 from abtrain.config import TrainConfig
 from abtrain.methods import build_method
 from abtrain.methods.ef21 import EF21Config
@@ -104,10 +105,36 @@ def test_segments_follow_tensors_chunks_and_slices():
 
 def test_sign_compression_scale_is_the_mean_magnitude():
     x = torch.tensor([1.0, -3.0, 2.0, 0.5, -0.5, 4.0, -4.0, 0.0])
-    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    packed, scales = sign_compress(x, ids, torch.bincount(ids).float())
-    assert scales.tolist() == [1.625, 2.125]
-    assert sign_decompress(packed, scales, ids).tolist() == [1.625, -1.625, 1.625, 1.625, -2.125, 2.125, -2.125, 2.125]
+    codec = SignCodec(8, [0, 4])
+    message = codec.encode(x)
+    assert message.numel() == codec.message_bytes(8) == 1 + 4 * 2
+    assert message[1:].clone().view(torch.float32).tolist() == [1.625, 2.125]
+    assert codec.decode(message).tolist() == [1.625, -1.625, 1.625, 1.625, -2.125, 2.125, -2.125, 2.125]
+
+
+def test_sign_slices_carry_the_segments_inside_them_and_one_scale_count():
+    """Cut in slices, each slice holds the buffer's segments inside it (cut at its start), with as many scales as
+    the slice with the most segments; encoding slice by slice gives the bits of encoding the segments alone."""
+    codec = SignCodec(32, [0, 3, 8, 20])
+    slices = codec.for_slices(16, 2)
+    assert [c.starts for c in slices] == [[0, 3, 8], [0, 4]] and [c.scales for c in slices] == [3, 3]
+    x = torch.randn(32, generator=torch.Generator().manual_seed(5))
+    first = slices[0].decode(slices[0].encode(x[:16]))
+    for a, b in ((0, 3), (3, 8), (8, 16)):
+        assert torch.equal(first[a:b], x[a:b].abs().mean() * torch.where(x[a:b] >= 0, 1.0, -1.0))
+    second = slices[1].encode(x[16:])
+    assert second[2:].clone().view(torch.float32)[2].item() == 0.0  # the padded scale
+
+
+def test_topk_codec_message_is_values_then_int32_indices():
+    x = torch.randn(30, generator=torch.Generator().manual_seed(6))
+    codec = TopKCodec([10, 20], 0.2)
+    message = codec.encode(x)
+    assert codec.ks == [2, 4] and message.numel() == codec.message_bytes(30) == 8 * 6
+    values, indices = codec.entries(message)
+    assert torch.equal(values, x[indices]) and indices.dtype == torch.int64
+    assert set(indices[:2].tolist()) <= set(range(10)) and set(indices[2:].tolist()) <= set(range(10, 30))
+    assert torch.equal(codec.decode(message), torch.zeros(30).index_put_((indices,), values))
 
 
 def test_onebit_error_feedback_carries_the_residual():
@@ -126,29 +153,21 @@ def test_onebit_error_feedback_carries_the_residual():
         assert torch.count_nonzero(method.worker_error[n:]) == 0  # the padding never leaks
 
 
-# -- exact counts against a communicator that records what a world of 4 would send --------------------------
-class _Recording(Communicator):
-    """Pretends to be one worker of a world whose peers send exactly what this one sends."""
+# -- exact counts: a world of 4 simulated workers whose collectives meet in memory -------------------------------
+def _recorded(p, name, steps, **options):
+    """Every worker's ledger rows of a short run of ``name`` in a :class:`LocalWorld` of ``p``, and rank 0's method."""
+    def worker(comm):
+        method = build_method(name, comm, Topology(rank=comm.rank, world_size=p, group_size=2), **options)
+        _train(method, _model(), steps, seed=comm.rank)
+        return comm.ledger.summary()["rows"], method
 
-    def all_reduce(self, tensor, group, op="sum", average=False):
-        self.ledger.record("all_reduce", group, tensor, 0.0)
-        return tensor
-
-    def broadcast(self, tensor, group, src=0):
-        self.ledger.record("broadcast", group, tensor, 0.0)
-        return tensor
-
-    def all_gather(self, tensor, group):
-        self.ledger.record("all_gather", group, tensor, 0.0)
-        return [tensor.clone() for _ in range(group.size)]
-
-    def all_to_all(self, tensor, group):
-        self.ledger.record("all_to_all", group, tensor, 0.0)
-        return tensor.view(group.size, -1)[0].repeat(group.size)  # every peer sent us its slice 0
+    out = LocalWorld(p).run(worker)
+    assert all(rows == out[0][0] for rows, _ in out)  # every worker sends the same bytes
+    return out[0]
 
 
-def _rows(comm, phase):
-    return {r["op"]: r for r in comm.ledger.summary()["rows"] if r["phase"] == phase}
+def _rows(rows, phase):
+    return {r["op"]: r for r in rows if r["phase"] == phase}
 
 
 @pytest.mark.parametrize("name, options", [("ef21", {"fraction": 0.03, "warmup_steps": 2}),
@@ -156,14 +175,12 @@ def _rows(comm, phase):
                                            ("onebit", {"warmup_steps": 2, "chunk_size": 7})])
 def test_counted_bytes_equal_the_formula(name, options):
     p, steps = 4, 6
-    comm = _Recording(Ledger())
-    method = build_method(name, comm, Topology(rank=0, world_size=p, group_size=2), **options)
-    _train(method, _model(), steps)
+    rows, method = _recorded(p, name, steps, **options)
     n = 293
-    warm = _rows(comm, "warmup")["all_reduce"]
+    warm = _rows(rows, "warmup")["all_reduce"]
     assert (warm["calls"], warm["payload_bytes"]) == (2, 2 * 4 * n)
     assert warm["wire_bytes"] == pytest.approx(2 * wire_bytes("all_reduce", 4 * n, p))
-    train = _rows(comm, "train")
+    train = _rows(rows, "train")
     if name == "ef21":
         k = sum(math.ceil(0.03 * t) for t in (144, 24, 120, 5))
         assert set(train) == {"all_gather"}
@@ -342,8 +359,8 @@ def test_bad_options_say_how_to_fix_them(args, message):
 # -- the bench ---------------------------------------------------------------------------------------------
 def test_bench_reports_the_all_to_all_of_onebit(tmp_path):
     """The report and its projection read all_to_all rows (ef21 and hlocalsgd use collectives they knew)."""
-    from abtrain.bench import BenchConfig, run_bench
-    from abtrain.bench.projection import group_size_of
+    from abtrain.sidebyside import BenchConfig, run_bench
+    from abtrain.sidebyside.alphabeta import group_size_of
 
     assert group_size_of("all_to_all", 1000, wire_bytes("all_to_all", 1000, 4)) == 4
     report = run_bench(BenchConfig(workload="tiny", methods=["ddp", "onebit"], out=str(tmp_path / "bench")))

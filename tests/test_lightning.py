@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 import abtrain
 from abtrain.comm.ledger import wire_bytes
 from abtrain.integrations.lightning import CHECKPOINT_KEY, AbtrainStrategy
-from abtrain.run.results import ddp_equivalent
+from abtrain.methods.summary import ddp_equivalent
 
 from helpers import run_world
 

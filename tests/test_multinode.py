@@ -1,6 +1,6 @@
 """Several machines, for real: two nodes as network namespaces, launched as a user launches on two machines.
 
-Each node is a namespace with its own interface behind a shaped link (``abtrain.bench.netns``, the bench's
+Each node is a namespace with its own interface behind a shaped link (``abtrain.sidebyside.netns``, the bench's
 ``--net`` in the node layout). The same AB-training job runs three ways: as one 4-worker launcher on one
 node, as one ``torchrun --nnodes 2`` per node with a c10d rendezvous over the link between the nodes, and as
 four processes with the variables ``srun`` sets. The results must be identical, and the bytes measured on
@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from abtrain.bench import netns
-from abtrain.bench.linkbytes import link_check
+from abtrain.sidebyside import netns
+from abtrain.sidebyside.linkbytes import link_check
 
 _REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"needs network namespaces (root, iproute2): {_REASON}"),

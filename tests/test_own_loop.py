@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import abtrain
-from abtrain.bench import netns
-from abtrain.bench.linkbytes import link_check
+from abtrain.sidebyside import netns
+from abtrain.sidebyside.linkbytes import link_check
 
 from helpers import free_port, run_world
 

@@ -13,9 +13,10 @@ from torch import nn
 
 from abtrain.comm.communicator import Communicator
 from abtrain.comm.ledger import Ledger, wire_bytes
+from abtrain.comm.recording import LocalWorld
 from abtrain.comm.topology import Topology
-from abtrain.compress.dct import ChunkedDCT, chunk_length, dct_matrix, extract, scatter_mean
-from abtrain.compress.e3m0 import e3m0_decode, e3m0_encode
+from abtrain.compress.codec import E3M0Codec
+from abtrain.compress.dct import ChunkedDCT, DCTTopKCodec, chunk_length, dct_matrix, extract, scatter_mean
 from abtrain.config import TrainConfig
 from abtrain.methods import build_method
 from abtrain.methods.demo import DeMoConfig
@@ -78,27 +79,43 @@ def test_compression_round_trips_what_it_keeps(shape):
 
 
 def test_scatter_mean_averages_over_the_workers_that_sent_an_entry():
-    v = [torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 5.0]])]
-    i = [torch.tensor([[0, 1]]), torch.tensor([[1, 3]])]
-    assert scatter_mean(v, i, 1, 4).tolist() == [[1.0, 2.5, 0.0, 5.0]]
+    v = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])]
+    i = [torch.tensor([0, 1]), torch.tensor([1, 3])]
+    assert scatter_mean(v, i, 4).tolist() == [1.0, 2.5, 0.0, 5.0]
 
 
 def test_demo_momentum_keeps_what_is_not_sent():
     method = build_method("demo", Communicator(), Topology(), topk=3, decay=0.9)
     model = _model()
     method.prepare(model)
+    codec = method.codec
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
-        grads = [torch.randn(p.shape, generator=gen) for p in method.params]
-        before = [0.9 * m + g for m, g in zip(method.momentum, grads)]
-        update = method.exchange(grads)
-        for b, m, u, t, k in zip(before, method.momentum, update, method.transforms, method.ks):
-            sent = b - m
-            assert int((t.encode(sent).abs() > 1e-5).sum()) <= t.chunks * k  # k components per chunk left
+        grad = torch.randn(sum(method.numels), generator=gen)
+        before = 0.9 * method.momentum + grad
+        update = method.exchange(grad)
+        sent = before - method.momentum
+        for t, k, s, u in zip(codec.transforms, codec.ks, sent.split(method.numels), update.split(method.numels)):
+            assert int((t.encode(s.view(t.shape)).abs() > 1e-5).sum()) <= t.chunks * k  # k components per chunk left
             # One worker: the update is the sign of what it sent.
-            clear = sent.abs() > 1e-6
-            assert torch.equal(u[clear], sent.sign()[clear])
+            clear = s.abs() > 1e-6
+            assert torch.equal(u[clear], s.sign()[clear])
             assert set(u.unique().tolist()) <= {-1.0, 0.0, 1.0}
+
+
+def test_dct_topk_message_holds_what_the_extraction_keeps():
+    """The message's entries are each chunk's top-k coefficients; decode is their inverse DCT."""
+    shapes = [torch.Size([16, 24]), torch.Size([10])]
+    codec = DCTTopKCodec(shapes, 8, 3)
+    x = torch.randn(16 * 24 + 10, generator=torch.Generator().manual_seed(4))
+    message = codec.encode(x)
+    assert message.dtype == torch.uint8 and message.numel() == codec.message_bytes(x.numel()) == 6 * codec.k
+    values, indices = codec.entries(message)
+    coef = torch.cat([t.encode(piece.view(t.shape)).reshape(-1) for t, piece in zip(codec.transforms, x.split([384, 10]))])
+    assert torch.equal(values, coef[indices])
+    kept = torch.zeros_like(coef).index_put_((indices,), values)
+    assert torch.allclose(codec.decode(message), codec.synthesize(kept))
+    assert torch.allclose(codec.synthesize(coef), x, atol=1e-5)  # the transform itself loses nothing
 
 
 def test_demo_refuses_an_optimizer_with_momentum():
@@ -111,12 +128,15 @@ def test_demo_refuses_an_optimizer_with_momentum():
 # -- single process: Streaming DiLoCo's pieces -----------------------------------------------------------------
 def test_e3m0_holds_powers_of_two_of_the_block_scale():
     x = torch.tensor([1.0, -0.5, 0.25, -2 ** -6, 0.0, 2 ** -8, 0.7, -0.3])
-    codes, scales = e3m0_encode(x, 8)
-    assert codes.dtype == torch.uint8 and codes.numel() == 4 and scales.tolist() == [1.0]
-    assert e3m0_decode(codes, scales, 8).tolist() == [1.0, -0.5, 0.25, -2 ** -6, 0.0, 0.0, 0.5, -0.25]
+    codec = E3M0Codec(8)
+    message = codec.encode(x)
+    assert message.dtype == torch.uint8 and message.numel() == codec.message_bytes(8) == 4 + 4
+    assert message[4:].clone().view(torch.float32).tolist() == [1.0]  # the block's scale
+    assert codec.decode(message).tolist() == [1.0, -0.5, 0.25, -2 ** -6, 0.0, 0.0, 0.5, -0.25]
     y = torch.randn(512, generator=torch.Generator().manual_seed(3))
-    codes, scales = e3m0_encode(y, 256)
-    back = e3m0_decode(codes, scales, 256)
+    codec = E3M0Codec(256)
+    back = codec.decode(codec.encode(y))
+    scales = y.view(2, 256).abs().amax(1)
     big = y.abs() > scales.repeat_interleave(256) / 64
     assert torch.equal(back.sign()[big], y.sign()[big])
     assert bool(((back[big] / y[big]).log2().abs() <= 0.5 + 1e-6).all())  # rounded in log2
@@ -128,41 +148,31 @@ def test_fragments_are_strided_over_modules():
         fragments_of(_model(), 5)
 
 
-# -- exact counts against a communicator that records what a world of 4 would send --------------------------
-class _Recording(Communicator):
-    """One worker of a world whose peers send exactly what this one sends."""
+# -- exact counts: a world of 4 simulated workers whose collectives meet in memory -------------------------------
+def _recorded(p, name, steps, adam=False, **options):
+    """Every worker's ledger rows of a short run of ``name`` in a :class:`LocalWorld` of ``p``, and rank 0's method."""
+    def worker(comm):
+        method = build_method(name, comm, Topology(rank=comm.rank, world_size=p, group_size=2), **options)
+        _train(method, _model(), steps, seed=comm.rank, adam=adam)
+        return comm.ledger.summary()["rows"], method
 
-    def all_reduce(self, tensor, group, op="sum", average=False):
-        self.ledger.record("all_reduce", group, tensor, 0.0)
-        return tensor
-
-    def broadcast(self, tensor, group, src=0):
-        self.ledger.record("broadcast", group, tensor, 0.0)
-        return tensor
-
-    def all_gather(self, tensor, group):
-        self.ledger.record("all_gather", group, tensor, 0.0)
-        return [tensor.clone() for _ in range(group.size)]
-
-    def all_to_all(self, tensor, group):
-        self.ledger.record("all_to_all", group, tensor, 0.0)
-        return tensor.view(group.size, -1)[0].repeat(group.size)
+    out = LocalWorld(p).run(worker)
+    assert all(rows == out[0][0] for rows, _ in out)  # every worker sends the same bytes
+    return out[0]
 
 
-def _rows(comm, phase):
-    return {r["op"]: r for r in comm.ledger.summary()["rows"] if r["phase"] == phase}
+def _rows(rows, phase):
+    return {r["op"]: r for r in rows if r["phase"] == phase}
 
 
 def test_demo_bytes_equal_the_formula():
     p, steps = 4, 5
-    comm = _Recording(Ledger())
-    method = build_method("demo", comm, Topology(rank=0, world_size=p, group_size=2), topk=4, chunk=8)
-    _train(method, _model(), steps)
+    rows, method = _recorded(p, "demo", steps, topk=4, chunk=8)
     # Linear(6,16): 16x6, chunks 8x6, 2 chunks; bias 16: 2 chunks of 8; Linear(16,10): 10x16, 5x8 chunks, 4;
     # bias 10: 2 of 5; LayerNorm 10 + 10: 2 + 2 of 5; Linear(10,5): 5x10, 5x5 chunks, 2; bias 5: 1 of 5.
     k = 2 * 4 + 2 * 4 + 4 * 4 + 2 * 4 + 4 * 4 + 2 * 4 + 1 * 4
     assert method.components == k
-    row = _rows(comm, "train")["all_gather"]
+    row = _rows(rows, "train")["all_gather"]
     assert (row["calls"], row["payload_bytes"], row["dtype"]) == (steps, steps * 6 * k, "uint8")
     assert row["wire_bytes"] == steps * (p - 1) * 6 * k
     assert method.extra_results()["demo"]["message_bytes"] == 6 * k
@@ -171,16 +181,14 @@ def test_demo_bytes_equal_the_formula():
 @pytest.mark.parametrize("quantize", ["e3m0", "fp32"])
 def test_streaming_diloco_bytes_equal_the_formula(quantize):
     p, h, steps = 4, 4, 9
-    comm = _Recording(Ledger())
-    method = build_method("streaming-diloco", comm, Topology(rank=0, world_size=p, group_size=2), h=h, fragments=2,
-                          overlap=1, quantize=quantize, block=16)
-    _train(method, _model(), steps, adam=True)
+    rows, method = _recorded(p, "streaming-diloco", steps, adam=True, h=h, fragments=2, overlap=1, quantize=quantize,
+                             block=16)
     sizes = method.fragment_numels
     assert method.offsets == [0, 2] and sizes == [6 * 16 + 16 + 10 + 10, 16 * 10 + 10 + 10 * 5 + 5]
     # Fragment 1 meets at steps 2, 6; fragment 0 at 4, 8; leaving attach() exchanges both at once (step 9).
     assert method.exchanges == [3, 3]
     sends = [sizes[1], sizes[0], sizes[1], sizes[0], sizes[0] + sizes[1]]
-    rows = _rows(comm, "outer")
+    rows = _rows(rows, "outer")
     if quantize == "fp32":
         assert set(rows) == {"all_reduce"}
         assert rows["all_reduce"]["payload_bytes"] == 4 * sum(sends)

@@ -111,7 +111,7 @@ def _add_data_parser(sub: Any) -> None:
 
 
 def _add_bench_parser(sub: Any) -> None:
-    from .bench.workloads import DEFAULT_METHODS, WORKLOADS
+    from .sidebyside.workloads import DEFAULT_METHODS, WORKLOADS
     bench = sub.add_parser(
         "bench", help="run several methods on one workload, side by side, and write a report",
         description="Run methods one after another on a named workload with the same data order, seed, workers, "
@@ -148,7 +148,7 @@ def _add_bench_parser(sub: Any) -> None:
 
 
 def bench_config_from_args(ns: argparse.Namespace) -> Any:
-    from .bench import BenchConfig, NetworkModel, parse_method_args
+    from .sidebyside import BenchConfig, NetworkModel, parse_method_args
     model = NetworkModel(intra_bw=ns.intra_bw * 1e9, inter_bw=ns.inter_bw * 1e9,
                          intra_latency=ns.intra_latency * 1e-6, inter_latency=ns.inter_latency * 1e-6,
                          node_size=ns.node_size)
@@ -246,7 +246,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"abtrain: Fashion-MNIST is in {path}")
             return 0
         if ns.command == "bench":
-            from .bench import run_bench
+            from .sidebyside import run_bench
             report = run_bench(bench_config_from_args(ns))
             if report["interrupted"]:
                 return 130

@@ -13,31 +13,19 @@ import gzip
 import importlib.util
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = [
-    "DATASETS",
-    "DEFAULT_FASHION_DIR",
-    "DataError",
-    "Dataset",
-    "Split",
-    "batches",
-    "fashion_dirs",
-    "load_dataset",
-    "load_fashion_mnist",
-    "load_shakespeare",
-    "make_synthetic",
-    "read_idx",
-    "shard_indices",
-    "steps_per_epoch",
-]
+__all__ = ["DATASETS", "DEFAULT_FASHION_DIR", "DataError", "Dataset", "Split", "batches", "fashion_dirs",
+           "load_dataset", "load_fashion_mnist", "load_shakespeare", "make_synthetic", "read_idx", "shard_indices",
+           "steps_per_epoch", "user_data_dir"]
 
 DEFAULT_FASHION_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist package
+DATA_ENV = "ABTRAIN_DATA"
 DATASETS = ("fashion-mnist", "shakespeare", "synthetic")
 
 # Per-pixel statistics of the Fashion-MNIST training images (after /255).
@@ -151,10 +139,18 @@ def _find_idx(data_dir: Path, stem: str) -> Path | None:
     return None
 
 
+def user_data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the loaders look after the system location and ``abtrain data fetch`` writes:
+    ``$ABTRAIN_DATA``, else ``$XDG_CACHE_HOME/abtrain``, else ``~/.cache/abtrain``."""
+    env = os.environ if environ is None else environ
+    if env.get(DATA_ENV):
+        return Path(env[DATA_ENV]).expanduser()
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "abtrain"
+
+
 def fashion_dirs() -> list[Path]:
     """Where Fashion-MNIST is looked for without --data-dir: Debian's package, then the user data dir."""
-    from .fetch import user_data_dir
-
     return [Path(DEFAULT_FASHION_DIR), user_data_dir() / "fashion-mnist"]
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
+from .data import user_data_dir
 from .run.safefile import NoSpaceError, atomic_write
 
 __all__ = ["FASHION_MNIST", "FASHION_URLS", "FetchError", "fetch_fashion_mnist", "file_ok", "user_data_dir"]
@@ -46,23 +47,12 @@ FASHION_URLS = (
     "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
 )
 URL_ENV = "ABTRAIN_FASHION_MNIST_URL"
-DATA_ENV = "ABTRAIN_DATA"
 TIMEOUT = 30.0  # seconds without a byte before a download is given up
 _CHUNK = 1 << 20
 
 
 class FetchError(RuntimeError):
     """A download failed: no network, the server refused, or the file's checksum is wrong."""
-
-
-def user_data_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Where ``abtrain data fetch`` writes and the loaders look after the system location:
-    ``$ABTRAIN_DATA``, else ``$XDG_CACHE_HOME/abtrain``, else ``~/.cache/abtrain``."""
-    env = os.environ if environ is None else environ
-    if env.get(DATA_ENV):
-        return Path(env[DATA_ENV]).expanduser()
-    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "abtrain"
 
 
 def _content_sha256(chunks: Callable[[], bytes]) -> str:

@@ -73,6 +73,12 @@ class Communicator:
                 events[1].record()
         self.ledger.record(op, group, tensor, 0.0 if events else time.perf_counter() - start, events)
 
+    def rank_in(self, group: Group) -> int:
+        """This worker's position in ``group`` (0 .. size-1): which slice of a split buffer is its own."""
+        if group.size <= 1 or group.pg is None:
+            return 0
+        return dist.get_rank(group.pg)
+
     def barrier(self, group: Group) -> None:
         """Wait until every member of ``group`` arrives. Not a data transfer: nothing is recorded in the ledger."""
         if group.size <= 1:

@@ -5,7 +5,8 @@ interface. On its own (a world of one) it skips every collective, as the real
 one does. Given a :class:`LocalWorld` of N simulated workers -- N threads of one
 process -- its collectives meet in memory: an all-reduce sums the N workers'
 tensors in rank order (so every worker gets the same bits), a broadcast copies
-the source's. Every collective is recorded in the ledger, with the same wire
+the source's, an all_to_all hands worker ``j`` the ``j``-th chunk of every
+worker's tensor. Every collective is recorded in the ledger, with the same wire
 model as on a real network, and in :attr:`RecordingCommunicator.calls`.
 
     world = LocalWorld(2)
@@ -104,6 +105,9 @@ class RecordingCommunicator(Communicator):
         self.calls.append(Call(op, group.name, group.size, tensor.dtype, tensor.numel(), payload))
         return self.world.exchange(self.rank, tensor)
 
+    def rank_in(self, group: Group) -> int:
+        return self.rank if group.size > 1 else 0
+
     def barrier(self, group: Group) -> None:
         if group.size > 1 and self.world is not None:
             self.world.exchange(self.rank, torch.zeros(0))
@@ -144,3 +148,11 @@ class RecordingCommunicator(Communicator):
         if group.size <= 1:
             return [tensor]
         return self._gather("all_gather", tensor, group)
+
+    def all_to_all(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        if group.size <= 1:
+            return tensor
+        if tensor.numel() % group.size:
+            raise ValueError(f"all_to_all needs numel divisible by {group.size}, got {tensor.numel()}")
+        chunks = [t.reshape(group.size, -1)[self.rank] for t in self._gather("all_to_all", tensor, group)]
+        return torch.cat(chunks).view_as(tensor)

@@ -1,5 +1,12 @@
-"""Compressors, each behind the seam its users call: the gradient reducers (``reducer.py``: the seam and the
-uncompressed averages; ``powersgd.py``; ``dense.py``: one chosen by name), DDP's communication hook that runs a
-reducer (``ddp_hook.py``), and the compression math of the methods that exchange compressed messages: top-k
-(``topk.py``), signs with scales (``sign.py``), the chunked DCT (``dct.py``), 4-bit E3M0 codes (``e3m0.py``),
-and what travels on the wire (``wire.py``). When and what to send is the methods' policy, not this package's."""
+"""Compressors, each behind the seam its users call.
+
+* Gradient reducers, ``reduce(named_grads, group)`` (``reducer.py``: the seam and the uncompressed averages;
+  ``powersgd.py``; ``dense.py``: one chosen by name), and DDP's communication hook that runs one
+  (``ddp_hook.py``): what a method calls to average gradients in place.
+* Codecs, ``encode`` / ``decode`` / ``message_bytes`` (``codec.py``: the interface, float32, bfloat16, int8,
+  4-bit E3M0; ``sign.py``: signs with scales; ``topk.py`` and ``dct.py``: the sparse top-k formats of EF21 and
+  DeMo): a payload's format, moved by the one compressed all-reduce (``allreduce.py``) or, sparse, by an
+  all-gather. ``wire.py``: the dtypes a flag may choose for the wire.
+
+When and what to send is the methods' policy, not this package's.
+"""

@@ -50,7 +50,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from ..api import setup as setup_method
 from ..methods import Method, registry
-from ..run.results import ddp_equivalent, human_bytes
+from ..methods.summary import ddp_equivalent, human_bytes
 
 __all__ = ["CHECKPOINT_KEY", "AbtrainStrategy"]
 

@@ -15,7 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
 from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner, plain_state_dict
-from .memory import peak_state_total, training_state_parts
+from .memory import (dense_training_state_bytes, moments_per_element, peak_state_total, scalar_state_bytes,
+                     training_state_parts)
+from .summary import ddp_equivalent, method_lines
 
 log = logging.getLogger(__name__)
 
@@ -336,9 +338,6 @@ class Method(LoopContract):
     def results(self) -> dict[str, Any]:
         """This worker's run so far, as results.json has it: the dense model's parameters, the model as it
         trains, the most training state held against DDP's, the ledger's bytes and DDP's for the same steps."""
-        from ..run.results import ddp_equivalent
-        from .memory import dense_training_state_bytes, moments_per_element, scalar_state_bytes
-
         params, tensors = self.dense_size()
         ddp = ddp_equivalent(params, self.topo.world_size, self.topo.group_size, self.steps)
         optimizer = self._attached[0] if self._attached is not None else self._last_optimizer
@@ -353,8 +352,6 @@ class Method(LoopContract):
     def summary(self) -> str:
         """The lines of ``abtrain train``'s summary that one's own loop can have: model size, training state,
         bytes by scope and phase, and DDP's bytes for the same steps (call it while attached, on rank 0)."""
-        from ..run.results import method_lines
-
         results = self.results()
         head = (f"abtrain {self.name} | {results['world_size']} workers in groups of {results['group_size']} | "
                 f"{results['steps']} steps")

@@ -32,17 +32,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
-from ..compress.dct import ChunkedDCT, extract, scatter_mean
+from ..compress.dct import MAX_CHUNK_ELEMENTS, DCTTopKCodec, scatter_mean
 from ..validate import Options, opt
-from .base import Method
+from .gradient import GradientMethod
 from .registry import MethodSpec, register
-
-#: Indices inside a chunk travel as int16: a chunk may hold at most this many entries.
-MAX_CHUNK_ELEMENTS = 2 ** 15
 
 
 @dataclass
@@ -61,38 +57,37 @@ class DeMoConfig(Options):
         self.require("decay", 0 <= self.decay < 1, "in [0, 1)")
 
 
-class DeMo(Method):
+class DeMo(GradientMethod):
     """Local momentum, top-k DCT components all-gathered, sign of their decoded mean as the gradient (phase ``train``).
 
     The user's optimizer must be plain SGD (no momentum): DeMo's momentum is
     its own, and SGD's step ``p -= lr * (sign + weight_decay * p)`` is the
-    authors' decoupled weight decay followed by their sign step.
+    authors' decoupled weight decay followed by their sign step. What DeMo
+    hands the optimizer is a step direction, not an averaged gradient, so the
+    exchange runs in the optimizer step (``averages_gradients`` False) as the
+    authors' optimizer does: clipping before the step clips this worker's own
+    gradient, which then enters the momentum.
     """
 
     name = "demo"
+    averages_gradients = False
 
     def __init__(self, comm: Communicator, topo: Topology, config: DeMoConfig | None = None,
                  **options: Any) -> None:
-        super().__init__(comm, topo)
         self.cfg = config if config is not None else DeMoConfig(**options)
-        self.t = 0  # optimizer steps taken
-        self.params: list[nn.Parameter] = []
-        self.transforms: list[ChunkedDCT] = []
-        self.ks: list[int] = []
-        self.momentum: list[torch.Tensor] = []
+        super().__init__(comm, topo, warmup_steps=0)
+        self.codec: DCTTopKCodec | None = None
+        self.momentum = torch.zeros(0)  # m, flat, the parameters in model.parameters() order
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        model = super().prepare(model)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.transforms = [ChunkedDCT(p.shape, self.cfg.chunk, device=p.device) for p in self.params]
-        self.ks = [min(self.cfg.topk, t.elements) for t in self.transforms]
-        self.momentum = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        return model
+    def build(self, numel: int) -> None:
+        device = self.topo.device
+        self.codec = DCTTopKCodec([p.shape for p in self.params], self.cfg.chunk, self.cfg.topk, device=device)
+        self.momentum = torch.zeros(numel, dtype=torch.float32, device=device)
 
     @property
     def components(self) -> int:
         """K: the DCT components each worker sends per step."""
-        return sum(t.chunks * k for t, k in zip(self.transforms, self.ks))
+        return self.codec.k if self.codec is not None else 0
 
     @property
     def message_bytes(self) -> int:
@@ -107,62 +102,31 @@ class DeMo(Method):
                              "--optimizer sgd --momentum 0 (torch.optim.SGD(params, lr, momentum=0))")
 
     @torch.no_grad()
-    def exchange(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Fold ``grads`` into the momentum, send its fast components, return sign(decoded mean) per parameter."""
-        values, indices = [], []
-        for m, g, transform, k in zip(self.momentum, grads, self.transforms, self.ks):
-            m.mul_(self.cfg.decay).add_(g)
-            coef = transform.encode(m)
-            v, i = extract(coef, k)
-            m.sub_(transform.decode(torch.zeros_like(coef).scatter_(-1, i, v)))
-            values.append(v.reshape(-1))
-            indices.append(i.reshape(-1))
-        value, index = torch.cat(values), torch.cat(indices)
-        # Bytes, because gloo gathers no int16: 4K bytes of float32 values, then 2K bytes of int16 indices.
-        message = torch.cat([value.view(torch.uint8), index.to(torch.int16).view(torch.uint8)])
-        gathered = self.comm.all_gather(message, self.topo.world)
-        k_total = value.numel()
-        # Copies first: viewing bytes as wider types needs an aligned start.
-        received = [(m[:4 * k_total].clone().view(torch.float32), m[4 * k_total:].clone().view(torch.int16).long())
-                    for m in gathered]
-        out, offset = [], 0
-        for transform, k in zip(self.transforms, self.ks):
-            n = transform.chunks * k
-            vs = [v[offset:offset + n].view(transform.chunks, k) for v, _ in received]
-            ids = [i[offset:offset + n].view(transform.chunks, k) for _, i in received]
-            mean = scatter_mean(vs, ids, transform.chunks, transform.elements)
-            out.append(transform.decode(mean).sign_())
-            offset += n
-        return out
-
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in self.params]
-        with torch.profiler.record_function("abtrain::demo::train"), self.comm.ledger.in_phase("train"):
-            update = self.exchange(grads)
-        with torch.no_grad():
-            for p, u in zip(self.params, update):
-                if p.grad is None:
-                    p.grad = u.to(p.dtype)
-                else:
-                    p.grad.copy_(u)
-
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.t += 1
+    def exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        """Fold ``flat`` into the momentum, send its fast components, return sign(decoded mean)."""
+        assert self.codec is not None, "prepare() first"
+        self.momentum.mul_(self.cfg.decay).add_(flat)
+        message = self.codec.encode(self.momentum)
+        self.momentum.sub_(self.codec.decode(message))  # what is sent leaves the momentum
+        entries = [self.codec.entries(m) for m in self.comm.all_gather(message, self.topo.world)]
+        mean = scatter_mean([v for v, _ in entries], [i for _, i in entries], self.codec.coefficients)
+        return self.codec.synthesize(mean).sign_()
 
     def extra_results(self) -> dict[str, Any]:
-        numel = sum(p.numel() for p in self.params)
-        return {"demo": {**asdict(self.cfg), "components": self.components, "numel": numel,
+        return {"demo": {**asdict(self.cfg), "components": self.components, "numel": sum(self.numels),
                          "message_bytes": self.message_bytes}}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "momentum": [m.clone() for m in self.momentum]}
+        # One tensor per parameter, of its shape: the momentum as the authors' optimizer holds it.
+        return {"t": self.t, "momentum": [m.view_as(p).clone() for m, p in zip(self.momentum.split(self.numels),
+                                                                                  self.params)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if [m.shape for m in state["momentum"]] != [m.shape for m in self.momentum]:
+        if [m.shape for m in state["momentum"]] != [p.shape for p in self.params]:
             raise ValueError("checkpoint's DeMo momentum does not fit this model")
         self.t = state["t"]
-        for m, saved in zip(self.momentum, state["momentum"]):
-            m.copy_(saved)
+        for m, saved in zip(self.momentum.split(self.numels), state["momentum"]):
+            m.copy_(saved.reshape(-1))
 
 
 register(MethodSpec("demo", DeMo, "DeMo", "decoupled momentum: each worker's momentum stays local, its top-k DCT "

@@ -16,7 +16,8 @@ inner optimizer this is DDP: global - mean(global - (global - lr g_i)) = global 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,61 +45,88 @@ class DiLoCoConfig(Options):
         self.require("outer_momentum", 0 <= self.outer_momentum < 1, "in [0, 1)")
 
 
+class OuterStep:
+    """The global copy of some parameters and the outer SGD (Nesterov momentum) that steps it on an averaged
+    pseudo-gradient: DiLoCo's outer loop, held by DiLoCo for the whole model and by Streaming DiLoCo once per
+    fragment (torchft's ``_StreamingDiLoCoFragment``). The same on every worker when built after the broadcast."""
+
+    def __init__(self, params: Sequence[torch.Tensor], lr: float, momentum: float) -> None:
+        self.params = [p.detach().clone() for p in params]
+        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    def pseudo_gradients(self, local: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``global - local`` of each parameter."""
+        return [g - p.detach() for g, p in zip(self.params, local)]
+
+    @torch.no_grad()
+    def step(self, averaged: Sequence[torch.Tensor]) -> None:
+        """One outer step on the averaged pseudo-gradients (one per parameter, any shape of its numel)."""
+        for g, d in zip(self.params, averaged):
+            g.grad = d.view_as(g).to(g.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def merge(self, local: Sequence[torch.Tensor], alpha: float = 0.0) -> None:
+        """``local = alpha * local + (1 - alpha) * global`` (alpha 0: take the global copy)."""
+        for p, g in zip(local, self.params):
+            if alpha == 0.0:
+                p.copy_(g)
+            else:
+                p.mul_(alpha).add_(g, alpha=1.0 - alpha)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_params": [g.clone() for g in self.params], "outer_optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for g, saved in zip(self.params, state["global_params"]):
+                g.copy_(saved)
+        self.optimizer.load_state_dict(state["outer_optimizer"])
+
+
 class DiLoCo(PeriodicMethod):
     """The user's optimizer for ``h`` inner steps, then an averaged outer step (phases ``inner`` / ``outer``)."""
 
     name = "diloco"
     local_phase, sync_phase = "inner", "outer"
+    count_names = ("outer_steps", "last_outer")
 
     def __init__(self, comm: Communicator, topo: Topology, config: DiLoCoConfig | None = None,
                  **options: Any) -> None:
         self.cfg = config if config is not None else DiLoCoConfig(**options)
         super().__init__(comm, topo, self.cfg.h)
-        self.global_params: list[torch.Tensor] = []
-        self.outer_optimizer: torch.optim.Optimizer | None = None
+        self.outer: OuterStep | None = None
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
-        # The outer optimizer's parameters: the global model, identical on every worker after the broadcast.
-        self.global_params = [p.detach().clone() for p in model.parameters()]
-        m = self.cfg.outer_momentum
-        self.outer_optimizer = torch.optim.SGD(self.global_params, lr=self.cfg.outer_lr, momentum=m, nesterov=m > 0)
+        self.outer = OuterStep(list(model.parameters()), self.cfg.outer_lr, self.cfg.outer_momentum)
         return model
+
+    @property
+    def global_params(self) -> list[torch.Tensor]:
+        return self.outer.params if self.outer is not None else []
 
     @torch.no_grad()
     def synchronize(self) -> None:
         """Average the pseudo-gradients (and float buffers) over all workers, step the outer optimizer, load the result."""
-        assert self.module is not None and self.outer_optimizer is not None, "prepare() first"
+        assert self.module is not None and self.outer is not None, "prepare() first"
         params = list(self.module.parameters())
-        pseudo = [g - p.detach() for g, p in zip(self.global_params, params)]
+        pseudo = self.outer.pseudo_gradients(params)
         buffers = [b for b in self.module.buffers() if b.is_floating_point()]
         with torch.profiler.record_function("abtrain::diloco::outer"), self.comm.ledger.in_phase("outer"):
             self.comm.all_reduce_tensors(pseudo + buffers, self.topo.world, average=True)
-        for g, d in zip(self.global_params, pseudo):
-            g.grad = d
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        for p, g in zip(params, self.global_params):
-            p.copy_(g)
-
-    def extra_results(self) -> dict[str, Any]:
-        return {"diloco": {**asdict(self.cfg), "outer_steps": self.syncs}}
+        self.outer.step(pseudo)
+        self.outer.merge(params)
 
     def state_dict(self) -> dict[str, Any]:
-        assert self.outer_optimizer is not None, "prepare() first"
-        return {"t": self.t, "outer_steps": self.syncs, "last_outer": self._last_sync,
-                "global_params": [g.clone() for g in self.global_params],
-                "outer_optimizer": self.outer_optimizer.state_dict()}
+        assert self.outer is not None, "prepare() first"
+        return {**super().state_dict(), **self.outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        assert self.outer_optimizer is not None, "prepare() first"
-        self.t = state["t"]
-        self.syncs = state["outer_steps"]
-        self._last_sync = state["last_outer"]
-        with torch.no_grad():
-            for g, saved in zip(self.global_params, state["global_params"]):
-                g.copy_(saved)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        assert self.outer is not None, "prepare() first"
+        super().load_state_dict(state)
+        self.outer.load_state_dict(state)
 
 
 register(MethodSpec("diloco", DiLoCo, "DiLoCo", "H inner steps of the chosen optimizer (AdamW recommended), then an "

@@ -13,10 +13,10 @@ each step, with ``grad_i`` the worker's fresh gradient::
 The messages travel in one all-gather per step over all workers: each worker
 contributes ``K = sum of the tensors' k`` float32 values and ``K`` int32 flat
 indices, packed in one int32 buffer of ``2K`` elements (the values' bits as
-they are). Counted: payload ``8K`` bytes, wire ``(p - 1) * 8K`` bytes per
-worker. The first ``warmup_steps`` steps (1 by default: EF21's
-``g_i^0 = grad_i(x^0)``) all-reduce the full gradients and set ``g_i = grad_i``,
-``g = mean_i grad_i``.
+they are; :class:`~abtrain.compress.topk.TopKCodec`). Counted: payload
+``8K`` bytes, wire ``(p - 1) * 8K`` bytes per worker. The first
+``warmup_steps`` steps (1 by default: EF21's ``g_i^0 = grad_i(x^0)``)
+all-reduce the full gradients and set ``g_i = grad_i``, ``g = mean_i grad_i``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
-from ..compress.topk import topk_compress, topk_count
+from ..compress.topk import TopKCodec
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register
@@ -58,6 +58,7 @@ class EF21(GradientMethod):
         super().__init__(comm, topo, self.cfg.warmup_steps)
         self.local = torch.zeros(0)  # g_i
         self.estimate = torch.zeros(0)  # g, the same on every worker
+        self.codec: TopKCodec | None = None
         self.ks: list[int] = []
 
     def build(self, numel: int) -> None:
@@ -66,7 +67,8 @@ class EF21(GradientMethod):
         device = self.topo.device
         self.local = torch.zeros(numel, device=device)
         self.estimate = torch.zeros(numel, device=device)
-        self.ks = [topk_count(n, self.cfg.fraction) for n in self.numels]
+        self.codec = TopKCodec(self.numels, self.cfg.fraction)
+        self.ks = self.codec.ks
 
     @property
     def message_elements(self) -> int:
@@ -78,22 +80,16 @@ class EF21(GradientMethod):
         self.estimate.copy_(average)
 
     def exchange(self, flat: torch.Tensor) -> torch.Tensor:
-        diff = flat - self.local
-        values, indices = [], []
-        offset = 0
-        for n, k in zip(self.numels, self.ks):
-            v, i = topk_compress(diff[offset:offset + n], k)
-            values.append(v)
-            indices.append(i + offset)
-            offset += n
-        value, index = torch.cat(values), torch.cat(indices)
+        assert self.codec is not None, "prepare() first"
+        message = self.codec.encode(flat - self.local)
+        value, index = self.codec.entries(message)
         self.local.index_add_(0, index, value)  # g_i += c_i
-        message = torch.cat([value.view(torch.int32), index.to(torch.int32)])
-        gathered = self.comm.all_gather(message, self.topo.world)
-        k = value.numel()
+        # Gathered as int32 words (the same bytes): the ledger's rows keep the dtype they have always had.
+        gathered = self.comm.all_gather(message.view(torch.int32), self.topo.world)
         delta = torch.zeros_like(self.estimate)
         for m in gathered:  # group-rank order on every worker: the same sums everywhere
-            delta.index_add_(0, m[k:].long(), m[:k].view(torch.float32))
+            value, index = self.codec.entries(m.view(torch.uint8))
+            delta.index_add_(0, index, value)
         self.estimate.add_(delta.div_(len(gathered)))  # g += mean_i c_i
         return self.estimate
 

@@ -1,4 +1,4 @@
-"""Methods that exchange a compressed message of every step's gradient (EF21, 1-bit)."""
+"""Methods that exchange a compressed message of every step's gradient (EF21, 1-bit, DeMo)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from .base import Method
 class GradientMethod(Method):
     """Workers exchange a compressed message of each step's gradient; the optimizer sees the decompressed average.
 
-    The exchange runs in the optimizer's pre-step hook through
-    :meth:`reduce_gradients`, idempotent per step, so that gradient clipping
-    can call it first and clip the averaged gradient. The gradients of the
+    The exchange runs at the end of backward (as DDP's average) or at the
+    latest in the optimizer's pre-step hook, once per step; gradient clipping
+    calls :meth:`reduce_gradients` first and clips the averaged gradient. A
+    method whose exchange yields a step direction rather than an average
+    (DeMo) sets ``averages_gradients`` False: then only the step exchanges,
+    and clipping sees this worker's own gradient. The gradients of the
     trainable parameters are handled as one flat float32 buffer (in
     ``model.parameters()`` order). The first ``warmup_steps`` steps average
     the full-precision gradients with one all-reduce (phase ``warmup``), the
@@ -51,11 +54,18 @@ class GradientMethod(Method):
         """A full-precision step: this worker's flat gradient and the average over all workers."""
 
     def exchange(self, flat: torch.Tensor) -> torch.Tensor:
-        """Compress ``flat`` (this worker's gradient), exchange, return the decompressed average (same on every worker)."""
+        """Compress ``flat`` (this worker's gradient), exchange, return what the optimizer applies: the decompressed
+        average (DeMo: a step direction), the same on every worker."""
         raise NotImplementedError
 
     def reduce_gradients(self) -> None:
-        """Replace this step's gradients by the (compressed) average over all workers (idempotent per step)."""
+        """Replace this step's gradients by the (compressed) average over all workers (idempotent per step);
+        a method that does not average gradients (``averages_gradients`` False: DeMo) waits for the step."""
+        if self.averages_gradients:
+            self._replace_gradients()
+
+    def _replace_gradients(self) -> None:
+        """The exchange of this step's gradients, their replacement by what it returns (once per step)."""
         if self._reduced:
             return
         self._reduced = True
@@ -78,7 +88,7 @@ class GradientMethod(Method):
                     p.grad.copy_(chunk.view_as(p))
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.reduce_gradients()
+        self._replace_gradients()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.t += 1

@@ -21,7 +21,7 @@ control that tells whether the factors earn their keep.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +50,6 @@ class HLocalSGD(PeriodicMethod):
 
     name = "hlocalsgd"
     averages_gradients = True
-    local_phase, sync_phase = "local", "average"
 
     def __init__(self, comm: Communicator, topo: Topology, config: HLocalSGDConfig | None = None,
                  **options: Any) -> None:
@@ -76,27 +75,11 @@ class HLocalSGD(PeriodicMethod):
         self._optimizer = optimizer
         super().finalize(optimizer)
 
-    @torch.no_grad()
     def synchronize(self) -> None:
         """Average parameters, float buffers and optimizer moments over all workers (one collective per dtype)."""
         assert self.module is not None, "prepare() first"
-        params = list(self.module.parameters())
-        tensors = [p.data for p in params] + [b for b in self.module.buffers() if b.is_floating_point()]
-        if self._optimizer is not None:
-            tensors += optimizer_moments(self._optimizer, params)
-        with torch.profiler.record_function("abtrain::hlocalsgd::average"), self.comm.ledger.in_phase("average"):
-            self.comm.all_reduce_tensors(tensors, self.topo.world, average=True)
-
-    def extra_results(self) -> dict[str, Any]:
-        return {"hlocalsgd": {**asdict(self.cfg), "averages": self.syncs}}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "averages": self.syncs, "last_average": self._last_sync}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.t = state["t"]
-        self.syncs = state["averages"]
-        self._last_sync = state["last_average"]
+        moments = optimizer_moments(self._optimizer, list(self.module.parameters())) if self._optimizer is not None else []
+        self.average_model(moments)
 
 
 register(MethodSpec("hlocalsgd", HLocalSGD, "hierarchical local SGD",

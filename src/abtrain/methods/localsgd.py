@@ -9,10 +9,8 @@ are never exchanged; optimizer states stay per worker.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
@@ -36,32 +34,14 @@ class LocalSGD(PeriodicMethod):
     """Average parameters and float buffers over all workers every ``h`` optimizer steps."""
 
     name = "localsgd"
-    local_phase, sync_phase = "local", "average"
 
     def __init__(self, comm: Communicator, topo: Topology, config: LocalSGDConfig | None = None,
                  **options: Any) -> None:
         self.cfg = config if config is not None else LocalSGDConfig(**options)
         super().__init__(comm, topo, self.cfg.h)
 
-    @torch.no_grad()
     def synchronize(self) -> None:
-        """Average every parameter and floating-point buffer over all workers (one collective per dtype)."""
-        assert self.module is not None, "prepare() first"
-        tensors = [p.data for p in self.module.parameters()]
-        tensors += [b for b in self.module.buffers() if b.is_floating_point()]
-        with torch.profiler.record_function("abtrain::localsgd::average"), self.comm.ledger.in_phase("average"):
-            self.comm.all_reduce_tensors(tensors, self.topo.world, average=True)
-
-    def extra_results(self) -> dict[str, Any]:
-        return {"localsgd": {**asdict(self.cfg), "averages": self.syncs}}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "averages": self.syncs, "last_average": self._last_sync}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.t = state["t"]
-        self.syncs = state["averages"]
-        self._last_sync = state["last_average"]
+        self.average_model()
 
 
 register(MethodSpec("localsgd", LocalSGD, "local SGD", "workers train alone, the model is averaged every H steps",

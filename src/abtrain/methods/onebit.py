@@ -4,7 +4,9 @@ In the manner of 1-bit SGD (Seide et al., Interspeech 2014) and of 1-bit
 Adam's compressed all-reduce (Tang et al., ICML 2021; DeepSpeed's
 ``compressed_allreduce``): after ``warmup_steps`` full-precision all-reduces
 (phase ``warmup``), every step (phase ``train``) runs two compressions with
-error feedback and two collectives over all ``p`` workers:
+error feedback and two collectives over all ``p`` workers
+(:func:`~abtrain.compress.allreduce.compressed_all_reduce` with a
+:class:`~abtrain.compress.sign.SignCodec`):
 
 1. **worker**: ``x = grad + e_w`` (the flat gradient, zero-padded to
    ``p * L`` elements, ``L`` a multiple of 8) is compressed to ``s * sign(x)``
@@ -36,8 +38,8 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
-from ..compress.sign import segment_ids, sign_compress, sign_decompress
-from ..compress.wire import as_floats
+from ..compress.allreduce import compressed_all_reduce, slice_length
+from ..compress.sign import SignCodec
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register
@@ -68,13 +70,14 @@ class OneBit(GradientMethod):
         self.numel = 0  # N, the trainable parameters
         self.slice = 0  # L, elements per slice (p * L >= N, L a multiple of 8)
         self.segments = 0  # M, scales per slice
+        self.codec: SignCodec | None = None  # the padded buffer's segments
         self.worker_error = torch.zeros(0)  # e_w, p * L elements
         self.server_error = torch.zeros(0)  # e_s, this worker's slice
 
     def build(self, numel: int) -> None:
         p = self.topo.world.size
         self.numel = numel
-        self.slice = -(-numel // (8 * p)) * 8  # L: a whole number of bytes of signs per slice
+        self.slice = slice_length(numel, p, SignCodec.align)  # L: a whole number of bytes of signs per slice
         padded = p * self.slice
         starts, offset = [], 0
         for n in self.numels:
@@ -83,14 +86,9 @@ class OneBit(GradientMethod):
             offset += n
         if numel < padded:
             starts.append(numel)  # the padding: a segment of its own, scale 0
-        ids, self.segments = segment_ids(starts, padded, p)
         device = self.topo.device
-        self.ids = ids.to(device)
-        self.counts = torch.bincount(ids, minlength=p * self.segments).to(device=device, dtype=torch.float32)
-        j = self.topo.rank  # this worker's slice
-        self.slice_ids = (ids[j * self.slice:(j + 1) * self.slice] - j * self.segments).to(device)
-        self.slice_counts = self.counts[j * self.segments:(j + 1) * self.segments]
-        self.all_slice_ids = (ids.view(p, self.slice) - torch.arange(p).view(p, 1) * self.segments).to(device)
+        self.codec = SignCodec(padded, starts, device=device)
+        self.segments = self.codec.for_slices(self.slice, p)[0].scales
         self.worker_error = torch.zeros(padded, device=device)
         self.server_error = torch.zeros(self.slice, device=device)
 
@@ -100,27 +98,9 @@ class OneBit(GradientMethod):
         return self.slice // 8 + 4 * self.segments
 
     def exchange(self, flat: torch.Tensor) -> torch.Tensor:
-        p, n, length, m = self.topo.world.size, self.numel, self.slice, self.segments
-        x = self.worker_error.clone()
-        x[:n] += flat
-        packed, scales = sign_compress(x, self.ids, self.counts)
-        self.worker_error = x.sub_(sign_decompress(packed, scales, self.ids))
-        send = torch.cat([packed.view(p, length // 8), scales.view(p, m).view(torch.uint8)], dim=1)
-        received = self.comm.all_to_all(send.reshape(-1), self.topo.world).view(p, -1)
-
-        # This worker's slice: the mean of the p workers' compressed versions, compressed again with error feedback.
-        total = torch.zeros(length, device=flat.device)
-        for row in received:
-            total += sign_decompress(row[:length // 8], as_floats(row[length // 8:]), self.slice_ids)
-        y = total.div_(p).add_(self.server_error)
-        packed, scales = sign_compress(y, self.slice_ids, self.slice_counts)
-        self.server_error = y.sub_(sign_decompress(packed, scales, self.slice_ids))
-        message = torch.cat([packed, scales.view(torch.uint8)])
-        gathered = self.comm.all_gather(message, self.topo.world)
-
-        average = torch.cat([sign_decompress(g[:length // 8], as_floats(g[length // 8:]), ids)
-                             for g, ids in zip(gathered, self.all_slice_ids)])
-        return average[:n]
+        assert self.codec is not None, "prepare() first"
+        return compressed_all_reduce(self.comm, self.topo.world, flat, self.codec, worker_error=self.worker_error,
+                                     server_error=self.server_error)
 
     def extra_results(self) -> dict[str, Any]:
         return {"onebit": {**asdict(self.cfg), "numel": self.numel, "padded_numel": self.slice * self.topo.world.size,

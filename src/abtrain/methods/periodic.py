@@ -1,6 +1,11 @@
-"""Methods whose workers train apart and meet every ``h`` optimizer steps (local SGD, DiLoCo, hierarchical local SGD)."""
+"""Methods whose workers train apart and meet every ``h`` optimizer steps (local SGD, hierarchical local SGD,
+DiLoCo, Streaming DiLoCo)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -10,55 +15,103 @@ from .base import Method
 
 
 class PeriodicMethod(Method):
-    """Workers train apart and are brought to one model every ``h`` optimizer steps by one
-    :meth:`synchronize` (local SGD, DiLoCo, hierarchical local SGD).
+    """Workers train apart and meet every ``h`` optimizer steps, where :meth:`synchronize` brings them to one
+    model (:meth:`synchronize_fragments`, of the fragments that meet, where the model is cut in fragments).
 
-    The step ending with a synchronization is labelled ``sync_phase`` in the
-    ledger, the others ``local_phase``. Leaving :meth:`attach` synchronizes once
-    more if steps were taken since the last time, so every worker ends with one model.
+    The model may be cut into ``fragments`` that meet at staggered steps
+    (Streaming DiLoCo): fragment ``f`` meets at the steps ``t >= 1`` with
+    ``t mod h = f * h // fragments``; with one fragment (the default) the whole
+    model meets at the multiples of ``h``. The step at which any fragment meets
+    is labelled ``sync_phase`` in the ledger, the others ``local_phase``.
+    :meth:`agree` (and leaving :meth:`attach`) brings every fragment that has
+    trained since it last met to one model at once.
+
+    ``cfg`` is the method's options (with ``h`` and ``section``); its state and
+    results name the count of meetings and the step of the last one as
+    ``count_names``.
     """
 
     local_phase = "local"
     sync_phase = "average"
+    count_names = ("averages", "last_average")
+    #: a synchronization averages the floating-point buffers too (consensus then need not)
+    syncs_buffers = True
+    cfg: Any
 
-    def __init__(self, comm: Communicator, topo: Topology, h: int) -> None:
+    def __init__(self, comm: Communicator, topo: Topology, h: int, fragments: int = 1) -> None:
         super().__init__(comm, topo)
         self.h = h
+        self.offsets = [f * h // fragments for f in range(fragments)]  # fragment f meets at t mod h == offsets[f]
         self.t = 0  # optimizer steps taken
-        self.syncs = 0
-        self._last_sync = 0  # step of the last synchronization (step 0: prepare's broadcast)
+        self.syncs = 0  # synchronizations (of one fragment or more)
+        self.last_sync = [0] * fragments  # step of each fragment's last synchronization (0: prepare's broadcast)
+
+    def due(self, step: int) -> list[int]:
+        """The fragments that meet at optimizer step ``step``."""
+        return [f for f, o in enumerate(self.offsets) if step >= 1 and step % self.h == o]
 
     @property
     def phase(self) -> str:
-        return self.sync_phase if (self.t + 1) % self.h == 0 else self.local_phase
+        return self.sync_phase if self.due(self.t + 1) else self.local_phase
 
     def synchronize(self) -> None:
         """Bring the workers to one model (one collective); the subclass's whole method."""
         raise NotImplementedError
 
-    def _synchronize(self) -> None:
+    def synchronize_fragments(self, fragments: list[int]) -> None:
+        """Bring the workers to one model of ``fragments``; with the model whole (one fragment), :meth:`synchronize`."""
         self.synchronize()
+
+    @torch.no_grad()
+    def average_model(self, extra: Sequence[torch.Tensor] = ()) -> None:
+        """Average every parameter, every floating-point buffer and ``extra`` over all workers, one collective
+        per dtype (phase ``sync_phase``): local SGD's whole synchronization."""
+        assert self.module is not None, "prepare() first"
+        tensors = [p.data for p in self.module.parameters()]
+        tensors += [b for b in self.module.buffers() if b.is_floating_point()]
+        tensors += extra
+        with torch.profiler.record_function(f"abtrain::{self.name}::{self.sync_phase}"), \
+                self.comm.ledger.in_phase(self.sync_phase):
+            self.comm.all_reduce_tensors(tensors, self.topo.world, average=True)
+
+    def _synchronize(self, fragments: list[int]) -> None:
+        self.synchronize_fragments(fragments)
         self.note_state_change()
         self.syncs += 1
-        self._last_sync = self.t
+        for f in fragments:
+            self.last_sync[f] = self.t
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.t += 1
-        if self.t % self.h == 0:
-            self._synchronize()
+        due = self.due(self.t)
+        if due:
+            self._synchronize(due)
 
     def in_consensus(self) -> bool:
-        return self._last_sync == self.t
+        return all(last == self.t for last in self.last_sync)
 
     def agree(self) -> None:
-        """An extra synchronization now; the next ones stay at multiples of ``h``."""
-        self._synchronize()
+        """An extra synchronization now of the fragments that trained since they met; the schedule stays."""
+        self._synchronize([f for f, last in enumerate(self.last_sync) if last != self.t])
 
     def sync_buffers(self) -> None:
-        """Nothing to do right after a synchronization: it averaged the buffers too."""
-        if not self.in_consensus():
+        """Nothing to do right after a synchronization that averaged the buffers too."""
+        if not (self.syncs_buffers and self.in_consensus()):
             super().sync_buffers()
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.in_consensus():
-            self._synchronize()
+            self.agree()
+
+    def extra_results(self) -> dict[str, Any]:
+        return {self.cfg.section: {**asdict(self.cfg), self.count_names[0]: self.syncs}}
+
+    def state_dict(self) -> dict[str, Any]:
+        last: int | list[int] = self.last_sync[0] if len(self.last_sync) == 1 else list(self.last_sync)
+        return {"t": self.t, self.count_names[0]: self.syncs, self.count_names[1]: last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        last = state[self.count_names[1]]
+        self.t = state["t"]
+        self.syncs = state[self.count_names[0]]
+        self.last_sync = list(last) if isinstance(last, list) else [last]

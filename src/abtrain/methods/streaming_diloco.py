@@ -2,8 +2,9 @@
 
 Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
 Distributed Free Lunch" (2025, arXiv 2501.18512). As :mod:`.diloco` (the user's
-optimizer is the inner one, an outer Nesterov SGD owned here updates a global
-copy of the parameters), with the paper's three changes:
+optimizer is the inner one; an outer Nesterov SGD, :class:`.diloco.OuterStep`,
+one per fragment, updates a global copy of the parameters; the schedule is
+:class:`.periodic.PeriodicMethod`'s), with the paper's three changes:
 
 - **Fragments.** The modules that hold parameters, in model order, are dealt
   out to ``P`` fragments in turn (module ``u`` to fragment ``u mod P``: the
@@ -17,16 +18,18 @@ copy of the parameters), with the paper's three changes:
   schedule is the paper's, the wall-clock overlap is not realised.
 - **4-bit outer gradients (E3M0).** Each code is a sign bit and a 3-bit exponent
   ``e``: the value ``0`` for ``e = 0``, else ``s * 2**(e - 7)`` with ``s`` the
-  largest magnitude of its block of ``block`` elements (float32, sent along);
-  magnitudes are rounded in log2. Summation is float32, as in the paper, in a
-  ring all-reduce's two halves: an **all_to_all** sends slice ``j`` of the
-  padded outer gradient (``L`` elements, whole blocks) to worker ``j``, which
-  decodes the ``p`` versions, averages them in float32 and encodes the mean
-  again; an **all_gather** hands every worker every mean slice. Every worker
-  decodes the same bytes, so every global copy stays the same. Per exchange
-  and worker, ``m = L/2 + 4L/block`` bytes: all_to_all payload ``p*m``, wire
-  ``(p-1)*m``; all_gather payload ``m``, wire ``(p-1)*m``. ``quantize = "fp32"``
-  sends DiLoCo's float32 all-reduce instead.
+  largest magnitude of its block of ``block`` elements (float32, sent along:
+  :class:`~abtrain.compress.codec.E3M0Codec`); magnitudes are rounded in log2.
+  Summation is float32, as in the paper, in a ring all-reduce's two halves
+  (:func:`~abtrain.compress.allreduce.compressed_all_reduce`, no error
+  feedback): an **all_to_all** sends slice ``j`` of the padded outer gradient
+  (``L`` elements, whole blocks) to worker ``j``, which decodes the ``p``
+  versions, averages them in float32 and encodes the mean again; an
+  **all_gather** hands every worker every mean slice. Every worker decodes the
+  same bytes, so every global copy stays the same. Per exchange and worker,
+  ``m = L/2 + 4L/block`` bytes: all_to_all payload ``p*m``, wire ``(p-1)*m``;
+  all_gather payload ``m``, wire ``(p-1)*m``. ``quantize = "fp32"`` sends
+  DiLoCo's float32 all-reduce instead.
 
 With ``P = 1``, ``tau = 0`` and ``fp32`` this is :class:`.diloco.DiLoCo`, bit for bit.
 """
@@ -41,10 +44,11 @@ from torch import nn
 
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
-from ..compress.e3m0 import e3m0_decode, e3m0_encode
-from ..compress.wire import as_floats
+from ..compress.allreduce import compressed_all_reduce
+from ..compress.codec import build_codec
 from ..validate import Options, opt
-from .base import Method
+from .diloco import OuterStep
+from .periodic import PeriodicMethod
 from .registry import MethodSpec, register
 
 
@@ -96,112 +100,80 @@ def fragments_of(model: nn.Module, count: int) -> list[list[int]]:
     return [sorted(i for u in units[f::count] for i in u) for f in range(count)]
 
 
-class StreamingDiLoCo(Method):
+class StreamingDiLoCo(PeriodicMethod):
     """DiLoCo with staggered fragments, overlapped merges and 4-bit outer gradients (phases ``inner`` / ``outer``)."""
 
     name = "streaming-diloco"
+    local_phase, sync_phase = "inner", "outer"
+    count_names = ("syncs", "last_sent")
+    syncs_buffers = False  # an exchange carries parameters only: consensus averages the buffers
 
     def __init__(self, comm: Communicator, topo: Topology, config: StreamingDiLoCoConfig | None = None,
                  **options: Any) -> None:
-        super().__init__(comm, topo)
         self.cfg = config if config is not None else StreamingDiLoCoConfig(**options)
-        h, count = self.cfg.h, self.cfg.fragments
-        self.offsets = [f * h // count for f in range(count)]
-        self.t = 0  # optimizer steps taken
-        self.exchanges = [0] * count  # outer steps of each fragment
-        self.last_sent = [0] * count  # step of each fragment's last exchange (0: prepare's broadcast)
-        self.pending: list[int | None] = [None] * count  # step at which an exchanged fragment is merged
+        super().__init__(comm, topo, self.cfg.h, self.cfg.fragments)
+        self.codec = build_codec(self.cfg.quantize, self.cfg.block)
+        self.exchanges = [0] * self.cfg.fragments  # outer steps of each fragment
+        self.pending: list[int | None] = [None] * self.cfg.fragments  # step at which an exchanged fragment is merged
         self.fragments: list[list[int]] = []
-        self.global_params: list[torch.Tensor] = []
-        self.outer: list[torch.optim.Optimizer] = []
+        self.outer: list[OuterStep] = []
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
         self.fragments = fragments_of(model, self.cfg.fragments)
         # The outer optimizers' parameters: the global model, identical on every worker after the broadcast.
-        self.global_params = [p.detach().clone() for p in model.parameters()]
-        m = self.cfg.outer_momentum
-        self.outer = [torch.optim.SGD([self.global_params[i] for i in ids], lr=self.cfg.outer_lr, momentum=m,
-                                      nesterov=m > 0) for ids in self.fragments]
+        params = list(model.parameters())
+        self.outer = [OuterStep([params[i] for i in ids], self.cfg.outer_lr, self.cfg.outer_momentum)
+                      for ids in self.fragments]
         return model
 
-    def _due(self, step: int) -> list[int]:
-        return [f for f, o in enumerate(self.offsets) if step >= 1 and step % self.cfg.h == o]
-
     @property
-    def phase(self) -> str:
-        return "outer" if self._due(self.t + 1) else "inner"
+    def global_params(self) -> list[torch.Tensor]:
+        """The global copy of every parameter, in ``model.parameters()`` order."""
+        by_index = {i: g for ids, outer in zip(self.fragments, self.outer) for i, g in zip(ids, outer.params)}
+        return [by_index[i] for i in sorted(by_index)]
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.t += 1
+        # Merges due at this step come first: a fragment exchanged again now sends what the merge made.
         for f, due in enumerate(self.pending):
-            if due == self.t:
+            if due == self.t + 1:
                 self._merge(f)
-        due = self._due(self.t)
-        if due:
-            self._exchange(due, merge_at=self.t + self.cfg.overlap)
+        super().after_step(optimizer)
 
-    # -- the outer step ---------------------------------------------------------------------------
-    def _params(self) -> list[torch.Tensor]:
+    def _params(self, f: int) -> list[torch.Tensor]:
         assert self.module is not None, "prepare() first"
-        return list(self.module.parameters())
+        params = list(self.module.parameters())
+        return [params[i] for i in self.fragments[f]]
 
     @torch.no_grad()
-    def _exchange(self, frags: list[int], merge_at: int) -> None:
-        """One exchange of the outer gradients of ``frags``, their outer steps, their merge now or at ``merge_at``."""
-        params = self._params()
-        ids = [i for f in frags for i in self.fragments[f]]
-        pseudo = torch.cat([(self.global_params[i] - params[i].detach()).reshape(-1).float() for i in ids])
+    def synchronize_fragments(self, fragments: list[int]) -> None:
+        """One exchange of the outer gradients of ``fragments`` and their outer steps; each is merged ``overlap``
+        steps later (now when 0)."""
+        local = [p for f in fragments for p in self._params(f)]
+        pseudo = [d for f in fragments for d in self.outer[f].pseudo_gradients(self._params(f))]
+        flat = torch.cat([d.reshape(-1).float() for d in pseudo])
         with torch.profiler.record_function("abtrain::streaming-diloco::outer"), self.comm.ledger.in_phase("outer"):
-            average = self.average(pseudo)
-        for i, chunk in zip(ids, average.split([self.global_params[i].numel() for i in ids])):
-            self.global_params[i].grad = chunk.view_as(self.global_params[i]).to(self.global_params[i].dtype)
-        for f in frags:
-            self.outer[f].step()
-            self.outer[f].zero_grad(set_to_none=True)
+            average = self.average(flat)
+        chunks = iter(average.split([p.numel() for p in local]))
+        for f in fragments:
+            self.outer[f].step([next(chunks) for _ in self.fragments[f]])
             self.exchanges[f] += 1
-            self.last_sent[f] = self.t
-            self.pending[f] = merge_at
-            if merge_at == self.t:
+            self.pending[f] = self.t + self.cfg.overlap
+            if self.cfg.overlap == 0:
                 self._merge(f, alpha=0.0)
 
-    @torch.no_grad()
     def _merge(self, f: int, alpha: float | None = None) -> None:
         """``local = alpha * local + (1 - alpha) * global`` for fragment ``f`` (alpha 0: take the global one)."""
-        a = self.cfg.alpha if alpha is None else alpha
-        params = self._params()
-        for i in self.fragments[f]:
-            if a == 0.0:
-                params[i].copy_(self.global_params[i])
-            else:
-                params[i].mul_(a).add_(self.global_params[i], alpha=1.0 - a)
+        self.outer[f].merge(self._params(f), self.cfg.alpha if alpha is None else alpha)
         self.pending[f] = None
 
     def average(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean of ``flat`` over all workers as the wire carries it: the same tensor on every worker."""
-        world = self.topo.world
-        if self.cfg.quantize == "fp32":
-            return self.comm.all_reduce(flat, world, average=True)
-        p, block, n = world.size, self.cfg.block, flat.numel()
-        length = -(-n // (p * block)) * block  # L: whole blocks per slice
-        padded = torch.zeros(p * length, dtype=torch.float32, device=flat.device)
-        padded[:n] = flat
-        codes, scales = e3m0_encode(padded, block)
-        if p == 1:  # one process: the same rounding, nothing sent
-            return e3m0_decode(codes, scales, block)[:n]
-        per = length // block
-        send = torch.cat([codes.view(p, length // 2), scales.view(p, per).view(torch.uint8)], dim=1)
-        received = self.comm.all_to_all(send.reshape(-1), world).view(p, -1)
-        total = torch.zeros(length, dtype=torch.float32, device=flat.device)
-        for row in received:  # rank order: every worker adds its slice the same way
-            total += e3m0_decode(row[:length // 2], as_floats(row[length // 2:]), block)
-        codes, scales = e3m0_encode(total.div_(p), block)
-        gathered = self.comm.all_gather(torch.cat([codes, scales.view(torch.uint8)]), world)
-        return torch.cat([e3m0_decode(g[:length // 2], as_floats(g[length // 2:]), block) for g in gathered])[:n]
+        return compressed_all_reduce(self.comm, self.topo.world, flat, self.codec)
 
     # -- agreement ---------------------------------------------------------------------------------
     def in_consensus(self) -> bool:
-        return all(s == self.t for s in self.last_sent) and all(d is None for d in self.pending)
+        return super().in_consensus() and all(d is None for d in self.pending)
 
     def ready_for_evaluation(self) -> bool:
         return True  # the trainer evaluates the global model (see evaluation()), the same on every worker
@@ -209,18 +181,13 @@ class StreamingDiLoCo(Method):
     def agree(self) -> None:
         """Merge what is pending now, then one exchange of every fragment not in agreement; all take the global model."""
         for f, due in enumerate(self.pending):
-            if due is not None and self.last_sent[f] != self.t:
+            if due is not None and self.last_sync[f] != self.t:
                 self._merge(f)
-        dirty = [f for f in range(len(self.fragments)) if self.last_sent[f] != self.t]
-        if dirty:
-            self._exchange(dirty, merge_at=self.t)
+        if not super().in_consensus():
+            super().agree()
         for f, due in enumerate(self.pending):
             if due is not None:  # exchanged at this very step: its global is the newest
                 self._merge(f, alpha=0.0)
-
-    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self.in_consensus():
-            self.agree()
 
     def evaluation(self) -> "_GlobalModel":
         return _GlobalModel(self)
@@ -228,31 +195,31 @@ class StreamingDiLoCo(Method):
     # -- results and checkpoints ---------------------------------------------------------------------
     @property
     def fragment_numels(self) -> list[int]:
-        return [sum(self.global_params[i].numel() for i in ids) for ids in self.fragments]
+        return [sum(g.numel() for g in outer.params) for outer in self.outer]
 
     def extra_results(self) -> dict[str, Any]:
         return {"streaming_diloco": {**asdict(self.cfg), "offsets": self.offsets,
                                      "fragment_numels": self.fragment_numels, "outer_steps": self.exchanges}}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "exchanges": list(self.exchanges), "last_sent": list(self.last_sent),
+        return {**super().state_dict(), "exchanges": list(self.exchanges),
                 "pending": [-1 if d is None else d for d in self.pending],
                 "global_params": [g.clone() for g in self.global_params],
-                "outer": [o.state_dict() for o in self.outer]}
+                "outer": [o.optimizer.state_dict() for o in self.outer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["outer"]) != len(self.outer):
             raise ValueError(f"checkpoint's Streaming DiLoCo state has {len(state['outer'])} fragments, this run "
                              f"{len(self.outer)}")
-        self.t = state["t"]
+        # A state may lack "syncs" (exchanges of any fragments; Streaming DiLoCo reports per fragment): 0 then.
+        super().load_state_dict({"syncs": 0, **state})
         self.exchanges = list(state["exchanges"])
-        self.last_sent = list(state["last_sent"])
         self.pending = [None if d < 0 else d for d in state["pending"]]
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global_params"]):
                 g.copy_(saved)
         for o, saved in zip(self.outer, state["outer"]):
-            o.load_state_dict(saved)
+            o.optimizer.load_state_dict(saved)
 
 
 class _GlobalModel:
@@ -264,7 +231,8 @@ class _GlobalModel:
 
     @torch.no_grad()
     def __enter__(self) -> StreamingDiLoCo:
-        params = self.method._params()
+        assert self.method.module is not None, "prepare() first"
+        params = list(self.method.module.parameters())
         self.stash = [p.detach().clone() for p in params]
         for p, g in zip(params, self.method.global_params):
             p.copy_(g)
@@ -272,7 +240,8 @@ class _GlobalModel:
 
     @torch.no_grad()
     def __exit__(self, *exc: object) -> None:
-        for p, saved in zip(self.method._params(), self.stash):
+        assert self.method.module is not None
+        for p, saved in zip(self.method.module.parameters(), self.stash):
             p.copy_(saved)
         self.stash = []
 

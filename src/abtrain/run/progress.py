@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any
 
-from .results import human_bytes
+from ..methods.summary import human_bytes
 
 
 class Progress:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from ..methods import METHODS
 from . import netns
-from .projection import NetworkModel
+from .alphabeta import NetworkModel
 from .workloads import DEFAULT_METHODS, get_workload
 
 
@@ -24,8 +25,6 @@ class BenchConfig:
     network_model: NetworkModel = field(default_factory=NetworkModel)
 
     def __post_init__(self) -> None:
-        from ..methods import METHODS
-
         get_workload(self.workload, self.quick)  # raises for an unknown name
         if not self.methods:
             raise ValueError("--methods is empty; give a comma-separated list such as ddp,ab")

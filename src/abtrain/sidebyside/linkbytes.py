@@ -60,8 +60,8 @@ from typing import Any
 
 import torch
 
-from ..run.results import human_bytes
-from .projection import row_group_size
+from ..methods.summary import human_bytes
+from .alphabeta import row_group_size
 
 TOLERANCE = 0.10  # measured / expected within ±10 %
 HEADER_BYTES = 66  # Ethernet + IPv4 + TCP with timestamps, per packet the interface counts

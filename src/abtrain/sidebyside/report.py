@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..run.results import human_bytes
+from ..methods.summary import human_bytes
 from ..run.safefile import atomic_write, write_json
 from .config import BenchConfig
 from .linkbytes import link_check
 from .linkbytes import render as render_links
-from .plots import ordered_phases
-from .projection import compute_per_step, project, project_scaled, render_scaled
+from .plots import ordered_phases, write_plots
+from .alphabeta import compute_per_step, project, project_scaled, render_scaled
 from .workloads import Workload
 
 
@@ -319,8 +319,6 @@ def _time_to_targets(done: list[dict[str, Any]], report: dict[str, Any]) -> list
 
 def write_report(report: dict[str, Any], out: str) -> None:
     """report.json, report.md and the PNG plots (plots are skipped with a note when matplotlib is missing)."""
-    from .plots import write_plots
-
     try:
         write_plots(report, out)
     except ImportError:

@@ -28,6 +28,14 @@ def _paired_bars(ax: Any, runs: list[dict[str, Any]], series: list[tuple[str, li
     ax.set_xticks(range(len(runs)), [r["method"] for r in runs])
 
 
+def _save(plt: Any, fig: Any, out: str, name: str) -> str:
+    """Write ``fig`` as ``out/name`` and free it; returns ``name``."""
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name), dpi=120)
+    plt.close(fig)
+    return name
+
+
 def write_plots(report: dict[str, Any], out: str) -> list[str]:
     """Metric vs cumulative global bytes (log axis), metric vs wall time, bytes per scope (log axis) and bytes per
     phase with the two scopes apart; returns the file names."""
@@ -62,10 +70,7 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
         ax.grid(alpha=0.3, which="both" if log else "major")
         if runs:
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, name), dpi=120)
-        plt.close(fig)
-        written.append(name)
+        written.append(_save(plt, fig, out, name))
 
     # Global and in-group bytes side by side per method, on a log axis: methods differ by orders of magnitude,
     # and a byte inside a node costs far less than one between nodes.
@@ -79,10 +84,7 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
     ax.set_ylabel("wire bytes per worker (MB, log)")
     ax.set_title(f"{title}: bytes between and inside groups", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "bytes_by_scope.png"), dpi=120)
-    plt.close(fig)
-    written.append("bytes_by_scope.png")
+    written.append(_save(plt, fig, out, "bytes_by_scope.png"))
 
     # Per phase, one panel per scope (stacked bars need a linear axis; each panel has its own scale).
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -102,10 +104,7 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
         if any(bottoms):
             ax.legend(fontsize=7)
     fig.suptitle(f"{title}: bytes per phase", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "bytes_by_phase.png"), dpi=120)
-    plt.close(fig)
-    written.append("bytes_by_phase.png")
+    written.append(_save(plt, fig, out, "bytes_by_phase.png"))
 
     # What each method holds against the dense model: its model's parameters and its training state, both as a
     # share of DDP's (below 1: smaller than DDP's).
@@ -117,9 +116,6 @@ def write_plots(report: dict[str, Any], out: str) -> list[str]:
     ax.set_ylabel("share of the dense model / of DDP")
     ax.set_title(f"{title}: model size and training state", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "model_and_state.png"), dpi=120)
-    plt.close(fig)
-    written.append("model_and_state.png")
+    written.append(_save(plt, fig, out, "model_and_state.png"))
     report["plots"] = written
     return written
