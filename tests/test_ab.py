@@ -249,7 +249,7 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
                      "sgd", 2 * K, False),
     # ranks at which body and body2's factors hold more numbers than W: their sync sends W's change (bfloat16)
     "tangent-change": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
-                        "sync_dtype": "bf16", "sync_payload": "smaller"}, "sgd", 2 * K, False),
+                        "sync_codec": "bf16", "sync_payload": "smaller"}, "sgd", 2 * K, False),
     # the change of W sent as a rank-3 approximation with error feedback, three syncs, fp32 on the wire
     "tangent-lowrank": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
                          "sync_payload": "lowrank", "sync_rank": 3, "linear_apply": "weight", "svd": "full"},
@@ -268,10 +268,10 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
                                 "svd": "update"}, "sgd", 3 * K, False),
     # the same in bfloat16: the rounding of P and Q' goes into the error memories
     "tangent-lowrank-bf16": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent",
-                              "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_dtype": "bf16"},
+                              "rebound_steps": 0, "sync_payload": "lowrank", "sync_rank": 3, "sync_codec": "bf16"},
                              "sgd", 3 * K, False),
     # the defaults' sync: only-learned in bfloat16, the next decomposition right after it
-    "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_dtype": "bf16", "rebound_steps": 0},
+    "bf16-sync": ({"rank_fraction": 0.25, "sync": "only-learned", "sync_codec": "bf16", "rebound_steps": 0},
                   "sgd", 3 * K, False),
     "full": ({"rank_fraction": 0.25, "sync": "full"}, "sgd", T_W + K, False),
     # with-stale as the authors' code runs it: the parameters averaged at a sync, not their moments
@@ -280,7 +280,7 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
     "defaults": ({"defaults": True}, "sgd", 3 * K, True),
     # the defaults with full-rank phases of local steps (no gradient averaged), fp32 on the wire; the run ends in
     # a rebound
-    "local": ({"defaults": True, "dense_comm": "local", "rebound_steps": F, "sync_dtype": "fp32"}, "sgd", STEPS,
+    "local": ({"defaults": True, "dense_comm": "local", "rebound_steps": F, "sync_codec": "fp32"}, "sgd", STEPS,
               False),
     "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
     "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
@@ -613,7 +613,7 @@ def test_updated_svds_give_the_same_training_and_bytes(runs):
 
 
 def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_later(runs):
-    """sync_payload="lowrank" with sync_dtype="bf16": every worker still ends each sync with the same model; what
+    """sync_payload="lowrank" with sync_codec="bf16": every worker still ends each sync with the same model; what
     arrives is no longer the exact projection of the summed change, and the memories keep the difference, rounding
     included; P and Q take 2 bytes an element."""
     _check_lowrank_syncs(runs["tangent-lowrank-bf16"], q=3, element_bytes=2, projected=False)

@@ -13,6 +13,8 @@ from torch import nn
 
 from abtrain.comm.recording import LocalWorld, RecordingCommunicator
 from abtrain.comm.topology import Topology
+from abtrain.compress.allreduce import slice_length
+from abtrain.compress.codec import build_codec
 from abtrain.methods.ab import ABConfig, Schedule, lowrank
 from abtrain.methods.ab.compressor import SyncCompressor
 from abtrain.methods.ab.decomposer import LOSS_JUMP, LOSS_WINDOW, Decomposer, LossWatch
@@ -186,7 +188,7 @@ def test_syncer_leaves_every_worker_with_the_averaged_model(mode):
     only-learned the mean of the A-workers' A by the mean of the B-workers' B. One all-reduce either way,
     of the factors and the bias; the layer leaves the sync in full mode, trainable."""
     world = LocalWorld(4)
-    cfg = ABConfig(sync=mode, split="sqrt", rank=2, rank_cap="none", sync_dtype="fp32", optimizer_state="keep")
+    cfg = ABConfig(sync=mode, split="sqrt", rank=2, rank_cap="none", sync_codec="fp32", optimizer_state="keep")
     factors = [_layer(5, 7, [2.0, 1.0], seed=r)[1] for r in range(4)]
     for fp in factors:
         lowrank.decompose(fp, 2)
@@ -218,7 +220,7 @@ def test_syncer_tangent_merge_adds_both_groups_changes_to_the_svd_they_started_f
     sync sends each change of W once and every worker's W is U·σ·Vᵀ plus the mean change of either group."""
     world = LocalWorld(2)
     cfg = ABConfig(sync="only-learned", split="tangent", sync_payload="factors", tangent_core="sum", rank=2,
-                   rank_cap="none", sync_dtype="fp32", optimizer_state="keep")
+                   rank_cap="none", sync_codec="fp32", optimizer_state="keep")
     _, start = _layer(6, 9, [2.0, 1.0], seed=0)
     u, s, vh = lowrank.svd(start)
     u, s, vh = u[:, :2].contiguous(), s[:2].clone(), vh[:2].contiguous()
@@ -241,6 +243,65 @@ def test_syncer_tangent_merge_adds_both_groups_changes_to_the_svd_they_started_f
     for w, bases in outs:
         assert torch.equal(w, outs[0][0]) and bases == {}
         torch.testing.assert_close(w, expected)
+
+
+@pytest.mark.parametrize("codec", ["int8", "e3m0"])
+def test_quantised_sync_delivers_one_model_and_keeps_what_it_did_not_deliver(codec):
+    """--ab-sync-codec int8/e3m0 in 4 workers (2 groups of 2), a layer PowerSGD compresses (24x40 at q = 4) and
+    one it does not (6x9): every worker ends the sync with the same W; the delivered change plus the mean of
+    the workers' error memories is the groups' summed change (nothing lost, only delayed); the P with the
+    small layer's change, then the Q, travel as one compressed all-reduce each (all_to_all of p messages of
+    the codec's size for a slice, all_gather of one), the bias in bfloat16."""
+    world, block, q = LocalWorld(4), 16, 4
+    cfg = ABConfig(sync="only-learned", split="tangent", sync_payload="lowrank", tangent_core="sum", rank=3,
+                   rank_cap="none", sync_codec=codec, scale_block=block, sync_rank=q, optimizer_state="keep",
+                   svd="full")
+    shapes = [(24, 40), (6, 9)]
+    starts = []
+    for i, (m, n) in enumerate(shapes):
+        _, fp = _layer(m, n, [3.0, 2.0, 1.0], seed=10 + i)
+        u, s, vh = lowrank.svd(fp)
+        starts.append((u[:, :3].contiguous(), s[:3].clone(), vh[:3].contiguous()))
+
+    def moved(rank: int, i: int, shape: tuple[int, ...]) -> torch.Tensor:
+        # the groups average inside themselves: the two workers of a group hold the same trained factor
+        return 0.05 * torch.randn(*shape, generator=torch.Generator().manual_seed(100 * (rank // 2) + i))
+
+    def worker(comm):
+        role = "A" if comm.rank < 2 else "B"
+        model = nn.Sequential(nn.Linear(40, 24), nn.Linear(9, 6))
+        records = lowrank.prepare_model(model, full_rank_patterns=(), min_rank=1)
+        for i, (fp, (u, s, vh)) in enumerate(zip(records, starts)):
+            lowrank.decompose(fp, 3, usv=lowrank.SVD(u, s, vh), split="sigma", sigma_in=role)
+            with torch.no_grad():
+                trained = fp.A if role == "A" else fp.B
+                trained.add_(moved(comm.rank, i, trained.shape))
+        bases = {fp.name: (u if role == "A" else vh, s) for fp, (u, s, vh) in zip(records, starts)}
+        state = PhaseState(role=role, records=records, bases=bases)
+        topo = Topology(rank=comm.rank, world_size=4, local_world_size=4, group_size=2)
+        compressor = SyncCompressor(comm, q, wire_dtype=None, error_dtype=None, keep_factors=False,
+                                    codec=build_codec(codec, block))
+        Syncer(cfg, comm, topo, state, topo.group, compressor).sync(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return ([fp.weight.detach().clone() for fp in records], {k: v.clone() for k, v in compressor.errors.items()},
+                comm.calls)
+
+    outs = world.run(worker)
+    names = ["0.weight", "1.weight"]
+    for i, (u, s, vh) in enumerate(starts):
+        # the summed change: the A-group's (mean over its workers, both equal) and the B-group's
+        change = moved(0, i, (u.shape[0], 3)) @ vh + u @ moved(2, i, (3, vh.shape[1]))
+        delivered = outs[0][0][i] - (u * s) @ vh
+        memory = sum(o[1][names[i]] for o in outs) / 4
+        assert all(torch.equal(o[0][i], outs[0][0][i]) for o in outs)
+        torch.testing.assert_close(delivered + memory, change, atol=2e-6, rtol=1e-5)
+        assert float((delivered - change).norm()) > 1e-4  # the codes lost something, which the memories hold
+    codec_obj = build_codec(codec, block)
+    first = 24 * q + 6 * 9  # the big layer's P, the small layer's change
+    slice_bytes = [codec_obj.message_bytes(slice_length(n, 4, block)) for n in (first, 40 * q)]
+    calls = [(c.op, c.payload_bytes) for c in outs[0][2]]
+    assert calls == [("all_reduce", 2 * (24 + 6)),  # the biases, bf16: the only full-rank tensors
+                     ("all_to_all", 4 * slice_bytes[0]), ("all_gather", slice_bytes[0]),
+                     ("all_to_all", 4 * slice_bytes[1]), ("all_gather", slice_bytes[1])]
 
 
 # -- preparing the model, the options, the schedule ------------------------------------------------------

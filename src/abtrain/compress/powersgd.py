@@ -17,6 +17,8 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..comm.group import Group
+from .allreduce import compressed_all_reduce
+from .codec import Codec
 from .reducer import NamedGrads, Reducer, unpack
 
 
@@ -57,15 +59,24 @@ class PowerSGDReducer(Reducer):
     The Ps are orthonormalised and M ≈ P·Qᵀ formed in the gradients' dtype from
     what arrived, so the rounding the narrow type costs is part of what the
     error memory keeps and is sent again later (with ``error_feedback``).
+
+    ``codec`` (a quantising :class:`~abtrain.compress.codec.Codec`: int8, E3M0) sends the three buffers in
+    that format through :func:`~abtrain.compress.allreduce.compressed_all_reduce` instead (its all_to_all and
+    all_gather; ``wire_dtype`` is then not used): the Ps are summed as the mean of what arrived times the
+    group's size, the Qs and the uncompressed tensors averaged. Every worker decodes the same bytes, so every
+    worker forms the same P·Qᵀ, and what the codes lose is again in the error memories.
     """
 
     def __init__(self, comm: Communicator, rank: int = 4, *, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 seed: int = 0, wire_dtype: torch.dtype | None = None) -> None:
+                 seed: int = 0, wire_dtype: torch.dtype | None = None, codec: Codec | None = None) -> None:
         super().__init__(comm)
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        if codec is not None and codec.summable:
+            raise ValueError(f"codec {codec.name} is summed by the all_reduce itself: give it as wire_dtype")
         self.rank = rank
+        self.codec = codec
         self.wire_dtype = wire_dtype
         self.min_compression_rate = min_compression_rate
         self.error_feedback = error_feedback
@@ -150,7 +161,10 @@ class PowerSGDReducer(Reducer):
         for (_, m, _), q, p in zip(low, qs, ps):
             torch.bmm(m, q, out=p)
         alone = [g for g, r in zip(plain, rides) if not r]
-        if alone:
+        if alone and self.codec is not None:
+            flat = torch.cat([g.reshape(-1).float() for g in alone])
+            unpack(compressed_all_reduce(self.comm, group, flat, self.codec), alone)
+        elif alone:
             self.comm.all_reduce_tensors(alone, group, average=True, wire_dtype=self.wire_dtype)
         if low:
             self._reduce_first(first, p_numel, riders, group)
@@ -186,7 +200,10 @@ class PowerSGDReducer(Reducer):
         for g in riders:
             first[offset:offset + g.numel()].copy_(g.reshape(-1))
             offset += g.numel()
-        if self.wire_dtype is None:
+        if self.codec is not None:
+            first.copy_(compressed_all_reduce(self.comm, group, first.float(), self.codec))
+            first[:p_numel].mul_(group.size)  # the Ps' sum: the mean of what arrived times the group's size
+        elif self.wire_dtype is None:
             self.comm.all_reduce(first, group)
             first[p_numel:].div_(group.size)
         else:
@@ -196,8 +213,12 @@ class PowerSGDReducer(Reducer):
         unpack(first[p_numel:], riders)
 
     def _all_reduce(self, flat: torch.Tensor, group: Group, average: bool) -> None:
-        """Sum (or average) ``flat`` in place over ``group``, sent as :attr:`wire_dtype` when one is set."""
-        if self.wire_dtype is None:
+        """Sum (or average) ``flat`` in place over ``group``, sent as :attr:`wire_dtype` when one is set, or in
+        :attr:`codec`'s format."""
+        if self.codec is not None:
+            mean = compressed_all_reduce(self.comm, group, flat.float(), self.codec)
+            flat.copy_(mean if average else mean.mul_(group.size))
+        elif self.wire_dtype is None:
             self.comm.all_reduce(flat, group, average=average)
         else:
             self.comm.all_reduce_tensors([flat], group, average=average, wire_dtype=self.wire_dtype)

@@ -12,6 +12,7 @@ import torch
 
 from ...comm.communicator import Communicator
 from ...comm.group import Group
+from ...compress.codec import Codec
 from ...compress.powersgd import PowerSGDReducer
 from ...compress.reducer import NamedGrads
 
@@ -20,14 +21,16 @@ class SyncCompressor(PowerSGDReducer):
     """Rank-``rank`` PowerSGD on the sync's changes of W, every matrix whose P and Q are smaller than it.
 
     ``keep_factors``: :meth:`take_factors` returns each compressed change's P (m×q) and Q (n×q).
+    ``codec`` (int8, E3M0; ``--ab-sync-codec``): the P, Q and the changes too small to compress travel in
+    that format, what it loses kept in the error memories with the rest.
     ``error_dtype`` (bfloat16) keeps the error memories (an m×n tensor per layer) in that type: half their
     memory; what the rounding loses is lost for good.
     """
 
     def __init__(self, comm: Communicator, rank: int, *, wire_dtype: torch.dtype | None,
-                 error_dtype: torch.dtype | None, keep_factors: bool) -> None:
+                 error_dtype: torch.dtype | None, keep_factors: bool, codec: Codec | None = None) -> None:
         super().__init__(comm, rank=rank, min_compression_rate=1.0, orthogonalization_epsilon=1e-8,
-                         wire_dtype=wire_dtype)
+                         wire_dtype=wire_dtype, codec=codec)
         self.error_dtype = error_dtype
         self.keep_factors = keep_factors
         self._factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...comm.topology import check_group_size, node_group_size
+from ...compress.codec import CODECS
 from ...compress.wire import WIRE_DTYPES
 from ...validate import Options, opt
 from . import lowrank
@@ -32,7 +33,7 @@ DEFAULT_TAU = 0.05  # the rank rule when none is given; why this value: docs/ab-
 PAPER: dict[str, Any] = {
     "warmup_fraction": 0.25, "cycle_fraction": 0.06, "rebound_fraction": 0.1, "lr_rebound_fraction": 0.3,
     "tau": 0.15, "sync": "with-stale", "split": "sqrt", "dense_comm": "fp32", "powersgd_rank": 4,
-    "powersgd_dtype": "fp32", "sync_dtype": "fp32", "optimizer_state": "keep", "rank_cap": "none",
+    "powersgd_codec": "fp32", "sync_codec": "fp32", "optimizer_state": "keep", "rank_cap": "none",
     "sync_moments": False, "min_rank": 1, "init": "ortho-sigma", "min_cycle_steps": 1,
 }
 
@@ -79,9 +80,10 @@ class ABConfig(Options):
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, powersgd (--ab-powersgd-rank), or local (not at all: each worker steps alone and the model is averaged once, before the decomposition that ends the phase)", choices=DENSE_REDUCERS)
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
-    powersgd_dtype: str = opt("bf16", "dtype of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd", choices=tuple(WIRE_DTYPES))
+    powersgd_codec: str = opt("bf16", "format of PowerSGD's P, Q and uncompressed tensors on the wire for --ab-dense-comm powersgd: fp32, bf16, int8 or e3m0 (4 bits; one float32 scale per --ab-scale-block elements), the rounding kept by PowerSGD's error memories", choices=CODECS)
     sync_memory_dtype: str = opt("fp32", "dtype of the low-rank sync's error memories (an m x n tensor per low-rank layer on every worker): bf16 holds them in half the bytes", choices=tuple(WIRE_DTYPES))
-    sync_dtype: str = opt("bf16", "dtype of the sync's payload on the wire; every worker still ends the sync with the same model", choices=tuple(WIRE_DTYPES))
+    sync_codec: str = opt("bf16", "format of the sync's payload on the wire: fp32, bf16, int8 or e3m0 (4 bits; one float32 scale per --ab-scale-block elements); int8 and e3m0 carry each layer's change of W, what they lose kept by the sync's error memories; every worker still ends the sync with the same model", choices=CODECS)
+    scale_block: int = opt(256, "elements that share one scale in the int8 and e3m0 formats (--ab-sync-codec, --ab-powersgd-codec); even")
     linear_apply: str = opt("auto", "how a low-rank nn.Linear applies its factors: weight (forms W = A B), factors (input times B^T, then A^T), or auto (fewer multiply-adds per call)", choices=lowrank.APPLY_MODES)
     sync_batchnorm: bool = opt(False, "BatchNorm layers normalise with the statistics of every worker's batch at each training step, as SyncBatchNorm (one all-gather in the forward, one all-reduce in the backward per layer, counted in the ledger)")
     keep_output: bool = opt(True, "keep the layer that produces the model's output full rank (found from the autograd graph of the first training step, whatever its name)")
@@ -138,8 +140,20 @@ class ABConfig(Options):
         if self.svd == "update" and self.sync_payload != "lowrank":
             raise ValueError("--ab-svd update takes W's SVD from the rank-q change that --ab-sync-payload lowrank "
                              f"sends: use it with --ab-sync-payload lowrank (got {self.sync_payload})")
+        if self.scale_block < 2 or self.scale_block % 2:
+            raise ValueError(f"--ab-scale-block must be an even integer >= 2, got {self.scale_block!r}")
+        if self.quantised_sync and not (self.sync == "only-learned" and self.split == "tangent"
+                                        and self.sync_payload != "factors"):
+            raise ValueError(f"--ab-sync-codec {self.sync_codec} quantises each layer's change of W, which only the "
+                             "tangent merge sends: use it with --ab-sync only-learned --ab-split tangent and "
+                             "--ab-sync-payload lowrank or smaller (or --ab-sync-codec bf16)")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
+
+    @property
+    def quantised_sync(self) -> bool:
+        """The sync's payload travels in a quantised format (int8, e3m0), not as floats."""
+        return self.sync_codec in ("int8", "e3m0")
 
     @property
     def needs_budget(self) -> bool:

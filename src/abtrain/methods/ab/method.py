@@ -33,6 +33,7 @@ from torch import nn
 
 from ...comm.communicator import Communicator
 from ...comm.topology import Topology
+from ...compress.codec import build_codec
 from ...compress.wire import WIRE_DTYPES
 from ..base import Method
 from ..registry import MethodSpec, register
@@ -71,10 +72,12 @@ class ABTraining(Method):
         # the first half of the groups (at least one) train A, the others B; with only-b every worker trains B
         self.state = PhaseState(role="B" if only_b else ("A" if topo.group_index < max(1, topo.num_groups // 2)
                                                          else "B"))
-        self.dense = build_dense_reducer(cfg.dense_comm, comm, rank=cfg.powersgd_rank,
-                                         powersgd_dtype=cfg.powersgd_dtype)  # full-rank phases
+        self.dense = build_dense_reducer(cfg.dense_comm, comm, rank=cfg.powersgd_rank, powersgd_codec=cfg.powersgd_codec,
+                                         scale_block=cfg.scale_block)  # full-rank phases
         self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
-        self.compressor = (SyncCompressor(comm, cfg.sync_rank, wire_dtype=WIRE_DTYPES[cfg.sync_dtype],
+        sync_codec = build_codec(cfg.sync_codec, cfg.scale_block)
+        self.compressor = (SyncCompressor(comm, cfg.sync_rank, wire_dtype=sync_codec.wire_dtype,
+                                          codec=None if sync_codec.summable else sync_codec,
                                           error_dtype=WIRE_DTYPES[cfg.sync_memory_dtype],
                                           keep_factors=cfg.svd == "update")
                            if cfg.sync_payload == "lowrank" else None)

@@ -37,7 +37,9 @@ class Syncer:
         self.cfg, self.comm, self.topo, self.state = cfg, comm, topo, state
         self.train_group = train_group
         self.compressor = compressor
-        self.wire_dtype = WIRE_DTYPES[cfg.sync_dtype]
+        # the full-rank tensors travel as values: in float32 with the fp32 codec, else in bfloat16 (a quantised
+        # codec carries the factorised layers' changes, whose rounding the sync's error memories keep)
+        self.wire_dtype = None if cfg.sync_codec == "fp32" else WIRE_DTYPES["bf16"]
         # the first half of the groups (at least one) train A: their workers come first in rank order
         self.a_workers = max(1, topo.num_groups // 2) * topo.group_size
 
@@ -117,7 +119,7 @@ class Syncer:
             return {}
         compressor = self.compressor
         return {fp.name: bases[fp.name] for fp in low
-                if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n)
+                if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n) or self.cfg.quantised_sync
                                          or (compressor is not None and compressor.rank_for(fp.m, fp.n) is not None))}
 
 
@@ -182,7 +184,10 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
     did not deliver (the worker's error memory, in W's coordinates, so it
     survives changes of rank). Every worker adds the same rank-q result to W;
     what one sync leaves out, a later one sends. The reducer averages, so each
-    share goes in multiplied by the world size and the average is the sum.
+    share goes in multiplied by the world size and the average is the sum. With a
+    quantising codec (``compressor.codec``: int8, E3M0) every layer in ``as_change``
+    goes to the compressor, the changes too small to compress averaged in that
+    format beside the Ps, their rounding kept by the same error memories.
     """
     n_b = world.size - n_a
     contrib = []
@@ -191,7 +196,7 @@ def _average_learned(comm: Communicator, world: Group, low: list[lowrank.Factori
         if fp.name in as_change:
             u, s, vh = as_change[fp.name]
             change = (fp.A - u * s) @ vh / n_a if in_a else u @ (fp.B - s[:, None] * vh) / n_b
-            if compressor is not None and compressor.rank_for(fp.m, fp.n) is not None:
+            if compressor is not None and (compressor.codec is not None or compressor.rank_for(fp.m, fp.n) is not None):
                 compressed[fp.name] = change.mul_(world.size)
             else:
                 contrib.append(change)
