@@ -124,3 +124,48 @@ def test_device_collective_times_are_read_at_the_summary_not_at_the_collective(m
     ledger.record("all_reduce", world, torch.zeros(4), 0.0, (_Event(0.0), late))
     assert len(ledger.device_times.pending) == 1 and not late.waited
     assert ledger.summary()["seconds"] == pytest.approx(0.25 + 0.01 + 0.04)
+
+
+@pytest.mark.parametrize("differ", [None, 3])
+def test_digest_tells_whether_every_worker_holds_the_same_tensors(differ):
+    """same_everywhere: one all-reduce of 32 bytes; True on every worker when all hold the same bits, False on
+    every worker when one worker's tensors differ in a single bit."""
+    from abtrain.comm.digest import same_everywhere
+    from abtrain.comm.recording import LocalWorld
+
+    world = LocalWorld(4)
+
+    def worker(comm):
+        tensors = [torch.arange(12, dtype=torch.float32).view(3, 4), torch.ones(5, dtype=torch.int64)]
+        if comm.rank == differ:
+            tensors[0].view(torch.int32)[1, 2] ^= 1  # one bit of one element
+        return same_everywhere(comm, world.group, tensors), [(c.op, c.payload_bytes) for c in comm.calls]
+
+    for same, calls in world.run(worker):
+        assert same is (differ is None) and calls == [("all_reduce", 32)]
+
+
+def test_ledger_peak_step_counts_global_traffic_between_step_ends():
+    """peak_global_step_bytes: the global wire bytes between two end_step calls (a sync after the step's update
+    included), the most of any step; traffic inside a group, the setup and evaluations do not count."""
+    ledger = Ledger()
+    world, group = Group("world", 4, "global"), Group("group", 2, "group")
+    ledger.record("broadcast", world, torch.zeros(1000), 0.0)  # setup: not a step
+    with ledger.in_phase("train"):
+        ledger.record("all_reduce", world, torch.zeros(10), 0.0)
+        ledger.record("all_reduce", group, torch.zeros(500), 0.0)  # inside a group
+    ledger.end_step(1)
+    with ledger.in_phase("train"):
+        ledger.record("all_reduce", world, torch.zeros(10), 0.0)
+    with ledger.in_phase("sync"):
+        ledger.record("all_reduce", world, torch.zeros(30), 0.0)
+    with ledger.in_phase("eval"):
+        ledger.record("all_reduce", world, torch.zeros(100), 0.0)
+    ledger.end_step(2)
+    assert (ledger.peak_global_step_bytes, ledger.peak_global_step) == (wire_bytes("all_reduce", 160, 4), 2)
+    with ledger.in_phase("sync"):
+        ledger.record("all_reduce", world, torch.zeros(50), 0.0)  # after the last end_step: the run's end
+    assert ledger.summary()["peak_global_step_bytes"] == wire_bytes("all_reduce", 200, 4)
+    restored = Ledger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.summary()["peak_global_step_bytes"] == ledger.summary()["peak_global_step_bytes"]

@@ -71,8 +71,13 @@ def test_workers_identical_and_bytes_exact(fashion_dir, two_workers, world):
     # Gradients: exactly one fp32 copy of every parameter per step, nothing else in the train phase.
     assert s["by_phase"]["train"]["payload_bytes"] == 4 * P * steps
     assert s["by_phase"]["train"]["wire_bytes"] == pytest.approx(2 * (world - 1) / world * 4 * P * steps)
-    # Start: rank 0's parameters and buffers broadcast once.
-    assert s["by_phase"]["setup"]["payload_bytes"] == 4 * (P + o["float_buffers"]) + o["other_buffers_bytes"]
+    # every step sends the same: the peak of one step is one step's global all-reduce (none where the world is
+    # one group of workers)
+    train = s["by_phase"]["train"]["wire_bytes"] / steps if world == 4 else 0.0
+    assert s["peak_global_step_bytes"] == pytest.approx(train)
+    # Start: the workers built the same model from the seed, which one all-reduce of a 32-byte digest confirms
+    # (4 int64: no broadcast of the model).
+    assert s["by_phase"]["setup"]["payload_bytes"] == 32 and s["by_phase"]["setup"]["calls"] == 1
     # Each evaluation: BatchNorm statistics averaged, 7 float64 totals (metrics and bytes so far);
     # at the end each worker's peak RSS and the length of its record (2 float64), then the
     # record (training state by phase and part, multiply-adds by phase) as JSON, padded to the longest; then

@@ -78,6 +78,10 @@ class Ledger:
 
     rows: dict[RowKey, LedgerRow] = field(default_factory=dict)
     enabled: bool = True
+    #: the most global wire bytes of any one optimizer step (see :meth:`end_step`), and that step (1-based)
+    peak_global_step_bytes: float = 0.0
+    peak_global_step: int = 0
+    _step_global: float = field(default=0.0, repr=False)  # global wire bytes of the step in progress
     _labels: list[str] = field(default_factory=list, repr=False)
     _source: Any = field(default=None, repr=False)
     device_times: EventTimes = field(default_factory=EventTimes, repr=False, compare=False)  # CUDA collectives
@@ -110,7 +114,18 @@ class Ledger:
             row.seconds += seconds
             if events is not None:
                 self.device_times.add(row, *events)
+            if group.scope == "global" and key[5] not in ("setup", "eval"):
+                self._step_global += wire
         return payload, wire
+
+    def end_step(self, step: int) -> None:
+        """Close optimizer step ``step`` (1-based): its global wire bytes (every collective between the end of the
+        step before and the end of this one, a sync or decomposition after it included; the one-off setup and
+        the evaluations not) count towards :attr:`peak_global_step_bytes`, the peak a slow link between nodes
+        has to carry in one step."""
+        if self._step_global > self.peak_global_step_bytes:
+            self.peak_global_step_bytes, self.peak_global_step = self._step_global, step
+        self._step_global = 0.0
 
     def add_seconds(self, op: str, group: Group, dtype: torch.dtype, phase: str, seconds: float) -> None:
         row = self.rows.get((op, group.name, group.size, group.scope, str(dtype).removeprefix("torch."), phase))
@@ -155,6 +170,8 @@ class Ledger:
             "wire_bytes": total["wire_bytes"],
             "calls": total["calls"],
             "seconds": total["seconds"],
+            # what the last end_step has not closed (the end of the run's last sync) counts as a step too
+            "peak_global_step_bytes": max(self.peak_global_step_bytes, self._step_global),
             "by_scope": {s: self._sum(lambda k, s=s: k[3] == s) for s in SCOPES},
             "by_phase": {p: self._sum(lambda k, p=p: k[5] == p) for p in phases},
             "by_op": {o: self._sum(lambda k, o=o: k[0] == o) for o in sorted({k[0] for k in self.rows})},
@@ -168,7 +185,9 @@ class Ledger:
 
     def state_dict(self) -> dict[str, Any]:
         self.device_times.resolve()
-        return {"rows": [[list(k), vars(r).copy()] for k, r in self.rows.items()]}
+        return {"rows": [[list(k), vars(r).copy()] for k, r in self.rows.items()],
+                "peak_global_step": [self.peak_global_step_bytes, self.peak_global_step, self._step_global]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rows = {tuple(k): LedgerRow(**r) for k, r in state["rows"]}  # type: ignore[misc]
+        self.peak_global_step_bytes, self.peak_global_step, self._step_global = state["peak_global_step"]

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.communicator import Communicator
+from ..comm.digest import same_everywhere
 from ..comm.topology import Topology
 from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner, plain_state_dict
 from .memory import (dense_training_state_bytes, moments_per_element, peak_state_total, scalar_state_bytes,
@@ -79,14 +80,16 @@ class Method(LoopContract):
         return "train"
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Make every worker start from rank 0's parameters and buffers; return the module to call.
-
-        ``torch.compile(model)`` is accepted: its module is prepared and the compiled wrapper returned.
-        """
+        """Make every worker start from rank 0's parameters and buffers (broadcast only where a 32-byte digest
+        says they differ: :func:`~abtrain.comm.digest.same_everywhere`); return the module to call.
+        ``torch.compile(model)`` is accepted: its module is prepared and the compiled wrapper returned."""
         model = self.unwrap(model)
         self.module = model
+        tensors = list(model.parameters()) + list(model.buffers())
         with self.comm.ledger.in_phase("setup"):
-            self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()), self.topo.world, src=0)
+            if not same_everywhere(self.comm, self.topo.world, tensors):
+                log.info("abtrain: the workers built different models: every worker starts from rank 0's")
+                self.comm.broadcast_tensors(tensors, self.topo.world, src=0)
         self._hook_module(model)
         return self.compiled if self.compiled is not None else model
 
@@ -179,6 +182,7 @@ class Method(LoopContract):
         self.after_step(optimizer)
         self._reduced = False
         self.steps += 1
+        self.comm.ledger.end_step(self.steps)
         self._watch_backward()
         if phase != self._measured_phase:  # the first steps of the run and of every phase
             self._measured_phase = phase

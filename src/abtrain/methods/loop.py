@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 STATE_KEY = "abtrain"
 #: the layout of that state (the unnumbered one before counts as 1); an abtrain loads its own layout only, and
 #: names the abtrain that wrote any other
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 class BackwardWatch:

@@ -88,6 +88,11 @@ def method_lines(results: dict[str, Any]) -> list[str]:
         "  by phase        " + " | ".join(f"{k} {human_bytes(v['wire_bytes'])}" for k, v in comm["by_phase"].items()),
     ]
     ddp = results.get("ddp_equivalent")
+    steps = results.get("steps") or 0
+    peak = f"  peak step       global {human_bytes(comm['peak_global_step_bytes'])} in one optimizer step"
+    if ddp and steps and results["method"] != "ddp":
+        peak += f" (DDP {human_bytes(ddp['global_wire_bytes'] / steps)} in every step)"
+    lines.append(peak)
     if ddp and results["method"] != "ddp":
         ours_global = comm["by_scope"]["global"]["wire_bytes"]
         lines += [

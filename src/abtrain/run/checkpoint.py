@@ -41,7 +41,7 @@ from .safefile import NoSpaceError, RunDirGone, atomic_write, is_no_space, make_
 FORMAT = "abtrain-checkpoint"
 #: the layout of a checkpoint (the manifest, the shards and the method's state in them); an abtrain reads its own
 #: version only, and names the abtrain that wrote any other
-VERSION = 2
+VERSION = 3
 DIRNAME = "checkpoint"
 MANIFEST = "latest.json"
 
