@@ -304,6 +304,46 @@ def test_quantised_sync_delivers_one_model_and_keeps_what_it_did_not_deliver(cod
                      ("all_to_all", 4 * slice_bytes[1]), ("all_gather", slice_bytes[1])]
 
 
+def test_outer_step_applies_nesterov_momentum_to_the_averaged_change():
+    """--ab-outer-lr 0.7 --ab-outer-momentum 0.9: the tangent merge's W_new becomes W_start + η·(Δ + μ·u) with
+    u = Δ at the first sync, and each full-rank parameter moves from its value at the decomposition the same way;
+    one model on both workers; the default (η = 1, μ = 0) builds no outer step."""
+    topo = Topology(rank=0, world_size=4, local_world_size=4, group_size=2)
+    assert Syncer(ABConfig(), None, topo, PhaseState(role="A"), topo.group, None).outer is None
+    world, lr, mu = LocalWorld(2), 0.7, 0.9
+    cfg = ABConfig(sync="only-learned", split="tangent", sync_payload="factors", tangent_core="sum", rank=2,
+                   rank_cap="none", sync_codec="fp32", optimizer_state="keep", outer_lr=lr, outer_momentum=mu)
+    _, start = _layer(6, 9, [2.0, 1.0], seed=0)
+    u, s, vh = lowrank.svd(start)
+    u, s, vh = u[:, :2].contiguous(), s[:2].clone(), vh[:2].contiguous()
+    da = torch.randn(6, 2, generator=torch.Generator().manual_seed(1)) * 0.1
+    db = torch.randn(2, 9, generator=torch.Generator().manual_seed(2)) * 0.1
+
+    def worker(comm):
+        role = "A" if comm.rank == 0 else "B"
+        model, fp = _layer(6, 9, [2.0, 1.0], seed=0)
+        lowrank.decompose(fp, 2, usv=lowrank.SVD(u, s, vh), split="sigma", sigma_in=role)
+        state = PhaseState(role=role, records=[fp], bases={fp.name: (u if role == "A" else vh, s)})
+        topo = Topology(rank=comm.rank, world_size=2, local_world_size=2, group_size=1)
+        syncer = Syncer(cfg, comm, topo, state, topo.group, None)
+        with torch.no_grad():
+            model[0].bias.copy_(torch.linspace(-1.0, 1.0, 6))  # the same on both workers (its init draws from torch's RNG)
+        syncer.agreed(model)  # the decomposition: the bias's W_start
+        bias = model[0].bias.detach().clone()
+        with torch.no_grad():
+            (fp.A if role == "A" else fp.B).add_(da if role == "A" else db)
+            model[0].bias.add_(float(comm.rank + 1))  # the workers' biases move by 1 and 2: the mean by 1.5
+        syncer.sync(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return fp.weight.detach().clone(), model[0].bias.detach().clone(), bias
+
+    outs = world.run(worker)
+    change = da @ vh + u @ db
+    for w, b, bias in outs:
+        assert torch.equal(w, outs[0][0]) and torch.equal(b, outs[0][1])
+        torch.testing.assert_close(w, (u * s) @ vh + lr * (1 + mu) * change)
+        torch.testing.assert_close(b, bias + lr * (1 + mu) * 1.5)
+
+
 # -- preparing the model, the options, the schedule ------------------------------------------------------
 def test_output_layer_is_found_at_the_first_training_forward_and_kept():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 12))

@@ -136,3 +136,21 @@ def test_a_run_stopped_inside_a_local_warm_up_resumes_to_the_same_model(fashion_
     a, b = (json.loads((d / "results.json").read_text()) for d in (ref, out))
     assert b["comm"]["wire_bytes"] == a["comm"]["wire_bytes"] and b["final"] == a["final"]
     assert "warmup" not in a["comm"]["by_phase"]  # the warm-up sent nothing
+
+
+def test_a_run_with_an_outer_step_and_a_quantised_sync_resumes_to_the_same_model(fashion_dir, tmp_path):
+    """--ab-outer-lr/--ab-outer-momentum with --ab-sync-codec e3m0: the outer step's momenta and starting points
+    and the sync's error memories travel in the checkpoint, so a run stopped between two syncs resumes to the
+    uninterrupted run's model, bytes and peak step."""
+    opts = ("--ab-outer-lr", "0.7", "--ab-outer-momentum", "0.9", "--ab-sync-codec", "e3m0", "--ab-rebound-steps", "0")
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    p = run(_args(fashion_dir, ref, *opts))
+    assert p.returncode == 0, p.stderr
+    p = run(_args(fashion_dir, out, *opts, "--stop-after", "13"))
+    assert p.returncode == 0, p.stderr
+    p = run(["train", "--resume", str(out)])
+    assert p.returncode == 0, p.stderr
+    assert _same(_weights(out), _weights(ref))
+    a, b = (json.loads((d / "results.json").read_text()) for d in (ref, out))
+    assert b["final"] == a["final"] and b["comm"]["wire_bytes"] == a["comm"]["wire_bytes"]
+    assert b["comm"]["peak_global_step_bytes"] == a["comm"]["peak_global_step_bytes"] > 0

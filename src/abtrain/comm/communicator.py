@@ -200,7 +200,7 @@ class Communicator:
 
         Workers of different groups can send different amounts (AB-training's
         A- and B-groups train factors of different sizes), so results report
-        the mean per worker. Two small collectives (a key check and the sums)
+        the mean per worker; the peak bytes of one step are the most any worker sent. Two small collectives (a key check and the sums)
         and one all-gather of the totals do it; they are recorded in the ledger
         after the snapshot they average, so the figures exclude their own few
         hundred bytes. Workers whose ledgers hold different keys (never in
@@ -213,7 +213,8 @@ class Communicator:
                                ledger.rows[k].seconds, ledger.rows[k].numel] for k in keys],
                              dtype=torch.float64, device=self.device).reshape(-1, 5)
         own = torch.tensor([stats[:, 0].sum(), stats[:, 1].sum(),
-                            sum(ledger.rows[k].wire_bytes for k in keys if k[3] == "global")],
+                            sum(ledger.rows[k].wire_bytes for k in keys if k[3] == "global"),
+                            ledger.summary()["peak_global_step_bytes"]],
                            dtype=torch.float64, device=self.device)
         per_worker = [t.tolist() for t in self.all_gather(own, group)]
         digest = int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:7], "big")
@@ -231,8 +232,10 @@ class Communicator:
             averaged = False
         out = mean.summary()
         out["averaged_over_workers"] = averaged
-        out["per_worker"] = [{"rank": r, "payload_bytes": _exact(p), "wire_bytes": w, "global_wire_bytes": g}
-                             for r, (p, w, g) in zip(group.ranks or range(group.size), per_worker)]
+        out["peak_global_step_bytes"] = max(peak for *_, peak in per_worker)  # the most any worker sent in a step
+        out["per_worker"] = [{"rank": r, "payload_bytes": _exact(p), "wire_bytes": w, "global_wire_bytes": g,
+                              "peak_global_step_bytes": peak}
+                             for r, (p, w, g, peak) in zip(group.ranks or range(group.size), per_worker)]
         return out
 
 

@@ -12,9 +12,11 @@ import torch
 
 from ...comm.communicator import Communicator
 from ...comm.group import Group
-from ...compress.codec import Codec
+from ...compress.codec import Codec, build_codec
 from ...compress.powersgd import PowerSGDReducer
 from ...compress.reducer import NamedGrads
+from ...compress.wire import WIRE_DTYPES
+from .config import ABConfig
 
 
 class SyncCompressor(PowerSGDReducer):
@@ -55,3 +57,13 @@ class SyncCompressor(PowerSGDReducer):
     def memory_share(self, dtype: torch.dtype) -> float:
         """The error memory of a layer held in ``dtype``, as a share of W's numbers (1: as wide, 0.5: half)."""
         return (self.error_dtype or dtype).itemsize / dtype.itemsize
+
+
+def build_sync_compressor(cfg: ABConfig, comm: Communicator) -> SyncCompressor | None:
+    """The compressor of ``--ab-sync-payload lowrank`` (None for another payload): rank ``--ab-sync-rank``, P and Q
+    in ``--ab-sync-codec``'s format, memories in ``--ab-sync-memory-dtype``, factors kept for ``--ab-svd update``."""
+    if cfg.sync_payload != "lowrank":
+        return None
+    codec = build_codec(cfg.sync_codec, cfg.scale_block)
+    return SyncCompressor(comm, cfg.sync_rank, wire_dtype=codec.wire_dtype, codec=None if codec.summable else codec,
+                          error_dtype=WIRE_DTYPES[cfg.sync_memory_dtype], keep_factors=cfg.svd == "update")

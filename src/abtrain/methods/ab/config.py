@@ -74,6 +74,8 @@ class ABConfig(Options):
     tangent_core: str | None = opt(None, "how the tangent merge counts the part of the groups' changes both can make: sum or mean; default: mean with tangent and only-learned, else sum", choices=tuple(TANGENT_CORES))
     sync_rank: int = opt(64, "rank q of the change each layer sends with --ab-sync-payload lowrank")
     svd: str | None = opt(None, "W's SVD after a sync: full, or update (from the parts a lowrank sync leaves); default: update with --ab-sync-payload lowrank, else full", choices=SVD_MODES)
+    outer_lr: float = opt(1.0, "learning rate of an outer SGD on each sync's averaged change since the phase began (DiLoCo's outer step); 1 with --ab-outer-momentum 0 is the plain average")
+    outer_momentum: float = opt(0.0, "Nesterov momentum of that outer SGD (0: none); it holds a model's worth of numbers on every worker")
     sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
@@ -140,6 +142,13 @@ class ABConfig(Options):
         if self.svd == "update" and self.sync_payload != "lowrank":
             raise ValueError("--ab-svd update takes W's SVD from the rank-q change that --ab-sync-payload lowrank "
                              f"sends: use it with --ab-sync-payload lowrank (got {self.sync_payload})")
+        if not self.outer_lr > 0:
+            raise ValueError(f"--ab-outer-lr must be > 0, got {self.outer_lr!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--ab-outer-momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if self.outer_step and not (self.sync == "only-learned" and self.split == "tangent"):
+            raise ValueError("--ab-outer-lr and --ab-outer-momentum step from the SVD the tangent merge started from: "
+                             "use them with --ab-sync only-learned --ab-split tangent")
         if self.scale_block < 2 or self.scale_block % 2:
             raise ValueError(f"--ab-scale-block must be an even integer >= 2, got {self.scale_block!r}")
         if self.quantised_sync and not (self.sync == "only-learned" and self.split == "tangent"
@@ -149,6 +158,11 @@ class ABConfig(Options):
                              "--ab-sync-payload lowrank or smaller (or --ab-sync-codec bf16)")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
+
+    @property
+    def outer_step(self) -> bool:
+        """A sync applies an outer step rather than the plain average."""
+        return self.outer_lr != 1.0 or self.outer_momentum != 0.0
 
     @property
     def quantised_sync(self) -> bool:

@@ -33,13 +33,11 @@ from torch import nn
 
 from ...comm.communicator import Communicator
 from ...comm.topology import Topology
-from ...compress.codec import build_codec
-from ...compress.wire import WIRE_DTYPES
 from ..base import Method
 from ..registry import MethodSpec, register
 from . import lowrank
 from .buckets import OverlappedAverage
-from .compressor import SyncCompressor
+from .compressor import build_sync_compressor
 from .config import ABConfig, check_topology, group_layout
 from .decomposer import LOSS_WINDOW, Decomposer
 from .dense import build_dense_reducer
@@ -75,12 +73,7 @@ class ABTraining(Method):
         self.dense = build_dense_reducer(cfg.dense_comm, comm, rank=cfg.powersgd_rank, powersgd_codec=cfg.powersgd_codec,
                                          scale_block=cfg.scale_block)  # full-rank phases
         self.overlap = OverlappedAverage(comm)  # AB steps: in-group averaging started during backward
-        sync_codec = build_codec(cfg.sync_codec, cfg.scale_block)
-        self.compressor = (SyncCompressor(comm, cfg.sync_rank, wire_dtype=sync_codec.wire_dtype,
-                                          codec=None if sync_codec.summable else sync_codec,
-                                          error_dtype=WIRE_DTYPES[cfg.sync_memory_dtype],
-                                          keep_factors=cfg.svd == "update")
-                           if cfg.sync_payload == "lowrank" else None)
+        self.compressor = build_sync_compressor(cfg, comm)  # the low-rank sync payload, when it is chosen
         self.syncer = Syncer(cfg, comm, topo, self.state, self.train_group, self.compressor)
         self.decomposer = Decomposer(cfg, comm, topo.world, topo.device, self.state, self.compressor, self.say)
         self.output = OutputLayer(self.state, self.say)
@@ -166,6 +159,7 @@ class ABTraining(Method):
             self._average_local(optimizer)  # the workers stepped alone since the last sync: one W first
         assert self.module is not None, "prepare() first"
         self.decomposer.decompose(self.module, optimizer, truncate=truncate, dense_follows=self.schedule.rebound > 0)
+        self.syncer.agreed(self.module)
         self._after_decomposition()
 
     def _after_decomposition(self) -> None:
@@ -349,7 +343,8 @@ class ABTraining(Method):
         own = {k: v for k, v in super().held_state().items()
                if k not in ("state", "dense", "overlap", "compressor", "syncer", "decomposer", "output")}
         return {**own, "dense": self.dense, "overlap": self.overlap, "_frozen": self.state.frozen,
-                "_bases": self.state.bases, "_compressor": self.compressor, "_parts": self.state.parts}
+                "_bases": self.state.bases, "_compressor": self.compressor, "_parts": self.state.parts,
+                "_outer": self.syncer.outer}
 
     def extra_results(self) -> dict[str, Any]:
         sched, st = self.schedule, self.state
@@ -372,7 +367,8 @@ class ABTraining(Method):
         """The phase state, the gradient and sync compressors' memories. Factors, W and the layers' modes live in
         the model's state_dict."""
         return {**self.state.state_dict(), "output_searched": self.output.searched, "dense": self.dense.state_dict(),
-                "sync_compressor": self.compressor.state_dict() if self.compressor is not None else None}
+                "sync_compressor": self.compressor.state_dict() if self.compressor is not None else None,
+                "outer": self.syncer.outer.state_dict() if self.syncer.outer is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
@@ -382,6 +378,8 @@ class ABTraining(Method):
         self.dense.load_state_dict(state["dense"])
         if self.compressor is not None and state["sync_compressor"] is not None:
             self.compressor.load_state_dict(state["sync_compressor"])
+        if self.syncer.outer is not None and state["outer"] is not None:
+            self.syncer.outer.load_state_dict(state["outer"])
         # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
         for fp in self.state.records:
             lowrank.set_mode([fp], fp.mode)

@@ -21,6 +21,7 @@ from ..base import optimizer_moments
 from . import lowrank
 from .compressor import SyncCompressor
 from .config import TANGENT_CORES, ABConfig
+from .outer import OuterStep
 from .state import PhaseState
 
 
@@ -37,6 +38,7 @@ class Syncer:
         self.cfg, self.comm, self.topo, self.state = cfg, comm, topo, state
         self.train_group = train_group
         self.compressor = compressor
+        self.outer = OuterStep(cfg.outer_lr, cfg.outer_momentum) if cfg.outer_step else None
         # the full-rank tensors travel as values: in float32 with the fp32 codec, else in bfloat16 (a quantised
         # codec carries the factorised layers' changes, whose rounding the sync's error memories keep)
         self.wire_dtype = None if cfg.sync_codec == "fp32" else WIRE_DTYPES["bf16"]
@@ -78,9 +80,36 @@ class Syncer:
                     lowrank.recompose(fp, parts=st.parts[fp.name])
                 else:
                     lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name), core=core)
+            if self.outer is not None:
+                self._outer_step(module, low, full, bases)
             st.bases = {}
             lowrank.set_trainable(st.records, "full")
         st.sync_seconds += time.perf_counter() - start
+
+    def _outer_step(self, module: nn.Module, low: list[lowrank.FactorizedParam], full: list[torch.Tensor],
+                    bases: dict[str, lowrank.SVD]) -> None:
+        """--ab-outer-lr/--ab-outer-momentum: each merged W and full-rank parameter through the outer step, from
+        what the workers held when the phase began (:mod:`.outer`)."""
+        assert self.outer is not None
+        for fp in low:
+            if fp.name in bases:
+                u, s, vh = bases[fp.name]
+                self.outer.apply(fp.name, ((u * s) @ vh).reshape(fp.shape).to(fp.weight.dtype), fp.weight)
+                self.state.parts.pop(fp.name, None)  # W is no longer the phase's SVD plus the sync's change
+        named = self.full_rank_named(module, full)
+        self.outer.apply_full_rank(named)
+        self.outer.remember(named)
+
+    @staticmethod
+    def full_rank_named(module: nn.Module, full: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """``full`` (:func:`full_rank_tensors`) with their names in ``module``."""
+        ids = {id(t) for t in full}
+        return [(name, p) for name, p in module.named_parameters() if id(p) in ids]
+
+    def agreed(self, module: nn.Module) -> None:
+        """A decomposition: every worker holds the same full-rank parameters, the outer step's next W_start."""
+        if self.outer is not None:
+            self.outer.remember(self.full_rank_named(module, full_rank_tensors(module, self.state.records)))
 
     @torch.no_grad()
     def average_local(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
