@@ -92,7 +92,8 @@ def _two_nodes(start, tmp_path):
         name = net.name
     assert [ns for ns in netns.our_namespaces() if ns.startswith(name)] == []
     return {"layout": "node", "node_size": 2,
-            "tx_bytes": [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)]}
+            "tx_bytes": [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)],
+            "tx_packets": [a["tx_packets"] - b["tx_packets"] for a, b in zip(after, before)]}
 
 
 def _check_against_one_node(run_dir, measured, one_node) -> None:
@@ -101,9 +102,12 @@ def _check_against_one_node(run_dir, measured, one_node) -> None:
     assert results["group_size"] == 2  # the default: LOCAL_WORLD_SIZE, the workers of one node
     check = link_check(results, measured)
     print(f"\nnode links: measured {check['tx_bytes_mean']:.0f} B/node, expected {check['expected_tx_bytes']:.0f}, "
-          f"ledger global {check['ledger_bytes']:.0f} B/worker, ratio {check['ratio']:.3f}", file=sys.stderr)
-    # The in-group traffic (a quarter of AB's bytes here) would be on the links if groups straddled nodes.
-    assert check["within_tolerance"], check
+          f"ledger global {check['ledger_bytes']:.0f} B/worker, ratio {check['ratio']:.3f}, "
+          f"framed payload ratio {check['framed_payload_ratio']:.3f}", file=sys.stderr)
+    # A run of small collectives: the TCP/IP headers and gloo's framing are a tenth of the raw bytes, so the
+    # check is on the TCP payload against the ledger's data plus the framing. The in-group traffic (a quarter of
+    # AB's bytes here) would be on the links if groups straddled nodes.
+    assert abs(check["framed_payload_ratio"] - 1) <= 0.05, check
 
 
 def test_torchrun_on_two_nodes_equals_one_launcher(one_node, tmp_path):
