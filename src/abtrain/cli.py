@@ -192,7 +192,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
     """The configuration saved in ``ns.resume``'s run directory, plus the few options a resume may change."""
     from .config import TrainConfig
     from .run.rundir import check_layout
-    from .run.safefile import open_file
+    from .run.safefile import read_text
     run_dir = ns.resume
     path = os.path.join(run_dir, "config.json")
     if not os.path.isdir(run_dir):
@@ -208,8 +208,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
                          f"{', '.join('--' + k.replace('_', '-') for k in refused)} would change it "
                          f"(allowed: {', '.join('--' + k.replace('_', '-') for k in allowed)})")
     try:
-        with open_file(path) as fh:
-            saved = json.load(fh)
+        saved = json.loads(read_text(path))
     except FileNotFoundError:
         raise ValueError(f"{run_dir} has no config.json: not a run directory of 'abtrain train'") from None
     except (OSError, ValueError) as exc:
