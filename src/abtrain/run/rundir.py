@@ -24,12 +24,12 @@ import fcntl
 import json
 import os
 import re
-import signal
 import stat
 import struct
 import time
 from typing import TYPE_CHECKING, Any
 
+from .interrupt import signal_name  # noqa: F401  (re-exported: the launcher names signals)
 from .safefile import WrongKind, check_kind, check_single_link, open_fd, read_text, write_json
 
 if TYPE_CHECKING:
@@ -214,13 +214,6 @@ class StepBoard:
         if len(data) != cls.SLOT.size:
             return None
         return cls.SLOT.unpack(data)[0]
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def launch_id(environ: dict[str, str] | None = None) -> str | None:
