@@ -28,6 +28,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"abtrain: error: {line}\n")
 
 
+class _CheckingParser(_Parser):
+    """Raises the error as a ValueError instead of exiting: for flags checked on behalf of another command."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
 def _removed_flag(message: str) -> str | None:
     """For argparse's "unrecognized arguments" that hold a removed option's flag: the line that says so."""
     from .methods import registry
@@ -82,12 +89,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, fields: list, defaults: A
         parser.add_argument(flag, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentParser:
     from .config import SECTIONS, TrainConfig, config_fields, section_fields
     from .methods import registry
-    parser = _Parser(prog="abtrain", description="Communication-efficient distributed training on PyTorch, every byte counted.")
+    parser = parser_class(prog="abtrain", description="Communication-efficient distributed training on PyTorch, every byte counted.")
     parser.add_argument("--version", action="version", version=f"abtrain {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
     train = sub.add_parser(
         "train", help="train a model with a communication method on local workers or in a torchrun/srun world",
         description="Train a model with a communication method. Without an external launcher, starts --workers "
@@ -164,8 +171,27 @@ def _add_bench_parser(sub: Any) -> None:
     model.add_argument("--node-size", type=int, default=4, metavar="N", help="workers per node (default: 4)")
 
 
+def check_train_flags(text: str, where: str) -> None:
+    """Refuse (ValueError naming ``where``) 'abtrain train' flags that its parser refuses: an unknown flag or a
+    value of the wrong type given to ``abtrain bench`` fails now, in one line, not in every method's run."""
+    import shlex
+    try:
+        tokens = shlex.split(text)
+    except ValueError:
+        return  # unbalanced quotes: BenchConfig says so
+    if "-h" in tokens or "--help" in tokens:
+        raise ValueError(f"{where}: --help is not a flag of a run")
+    try:
+        build_parser(_CheckingParser).parse_args(["train", *tokens])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def bench_config_from_args(ns: argparse.Namespace) -> Any:
     from .bench import BenchConfig, NetworkModel, parse_method_args
+    check_train_flags(ns.extra, f"--extra {ns.extra!r}")
+    for item in ns.method_args:
+        check_train_flags(item.partition(":")[2], f"--method-args {item!r}")
     model = NetworkModel(intra_bw=ns.intra_bw * 1e9, inter_bw=ns.inter_bw * 1e9,
                          intra_latency=ns.intra_latency * 1e-6, inter_latency=ns.inter_latency * 1e-6,
                          node_size=ns.node_size)
@@ -271,7 +297,12 @@ def _main(argv: Sequence[str] | None) -> int:
             report = run_bench(bench_config_from_args(ns))
             if report["interrupted"]:
                 return 130
-            return 0 if all(r["status"] == "complete" for r in report["methods"]) else 1
+            failed = [r for r in report["methods"] if r["status"] != "complete"]
+            if failed:  # said on stdout with the rest of the report; the failure itself belongs on stderr too
+                print(f"abtrain: error: {len(failed)} of {len(report['methods'])} methods failed: "
+                      + "; ".join(f"{r['method']}: {r.get('error') or r['status']}" for r in failed),
+                      file=sys.stderr)
+            return 1 if failed else 0
     except RunFailed as exc:
         print(f"abtrain: error: {exc}", file=sys.stderr)
         return exc.code
