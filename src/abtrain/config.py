@@ -59,7 +59,7 @@ class TrainConfig:
     group_size: int | None = opt(None, "workers per group; traffic inside a group has scope 'group', across groups 'global' (default: workers per node)")
     backend: str = opt("auto", "torch.distributed backend: gloo on CPU, nccl on CUDA", choices=BACKENDS)
     device: str = opt("auto", "device: cuda when available, else cpu", choices=DEVICES)
-    threads: int | None = opt(None, "torch CPU threads per worker (default: cores / local workers)")
+    threads: int | None = opt(None, "torch CPU threads per worker (default: cores / local workers)", high=1024)
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     block_size: int = opt(64, "context length for the character language model")
     limit_train: int | None = opt(None, "use only the first N training samples (quick runs)")
