@@ -260,11 +260,12 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``abtrain`` command; ``argv`` given: called in-process, the caller's signal handlers come back after."""
-    handlers = interrupt.install()  # first of all: torch's import takes seconds and may meet a Ctrl-C
-    # torch's C++ log lines (a store's connection retries, each with a C++ stack) come before abtrain's one line
-    # and repeat it; read once, when torch is imported. TORCH_CPP_LOG_LEVEL=WARNING brings them back.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    handlers = None
     try:
+        handlers = interrupt.install()  # first of all: torch's import takes seconds and may meet a Ctrl-C
+        # torch's C++ log lines (a store's connection retries, each with a C++ stack) come before abtrain's one
+        # line and repeat it; read once, when torch is imported. TORCH_CPP_LOG_LEVEL=WARNING brings them back.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
         return _main(argv)
     except KeyboardInterrupt as exc:  # before anything was started (a run's interruption is said by the launcher)
         print(f"abtrain: interrupted ({interrupt.signal_of(exc)})", file=sys.stderr, flush=True)

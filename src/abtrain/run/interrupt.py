@@ -73,10 +73,16 @@ def reinstall() -> dict[int, Any]:
     """Route :data:`SIGNALS` through :func:`_handler` again, after a library replaced some handlers (torch's elastic
     agent installs its own when it starts workers); a signal already received stays received. Main thread only."""
     previous: dict[int, Any] = {}
-    for sig in SIGNALS:
-        if sig not in (signal.SIGINT, signal.SIGTERM) and signal.getsignal(sig) is signal.SIG_IGN:
-            continue  # ignored by whoever started the command (nohup ignores SIGHUP): the run is to outlive it
-        previous[sig] = signal.signal(sig, _handler)
+    # Blocked while they are set (one arriving meanwhile is delivered at the end, to this handler): from outside,
+    # every one is caught from the moment any one is.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        for sig in SIGNALS:
+            if sig not in (signal.SIGINT, signal.SIGTERM) and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored by whoever started the command (nohup ignores SIGHUP): the run is to outlive it
+            previous[sig] = signal.signal(sig, _handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return previous
 
 
