@@ -11,11 +11,19 @@ once without faults per method, then
   to the whole process group as Ctrl-C sends it, SIGKILL) at a random step,
   followed by ``abtrain train --resume``,
 - ``--double-ctrl-c`` times two Ctrl-C at a random step, then a resume,
+- ``--signal-runs`` times another signal that ends a run (SIGHUP, SIGUSR1,
+  SIGUSR2 to the group, SIGQUIT, SIGALRM, SIGRTMIN+3) during training, right
+  after a checkpoint step, or after the last step (the shutdown: final
+  checkpoint, results), then a resume,
+- ``--start-faults`` times a fork server that hangs while it imports the
+  workers' code, ended by the start-up deadline or killed while the launcher
+  waits for it (one line, exit 1), then the run started again,
 - ``--early-kills`` times SIGKILL to the launcher 0-100 ms after its first
-  worker is forked, and ``--early-signals`` times SIGTERM or SIGINT in the
-  command's first seconds (torch still importing, the preflight, the first
-  fork); no process of the run may be left, and the run, started again (or
-  resumed where a checkpoint was kept), must end bit-identical,
+  worker is forked, and ``--early-signals`` times SIGTERM, SIGINT, SIGHUP or
+  SIGUSR1 in the command's first seconds (torch still importing, the
+  preflight, the first fork); no process of the run may be left, and the run,
+  started again (or resumed where a checkpoint was kept), must end
+  bit-identical,
 
 and compares each run's final weights (RUN_DIR/model.pt) with the
 uninterrupted run's. Part 2 feeds bad input: invalid flags and values,
@@ -34,7 +42,8 @@ directory or outside it. A diverging run of each method must end as
 ``diverged`` (exit 1), and a run whose directory is removed with exit 4.
 
     .venv/bin/python benchmarks/fault_injection.py [--runs 20] [--checkpoint-kills 4] [--launcher-runs 8]
-                                                   [--double-ctrl-c 4] [--early-kills 16] [--early-signals 8]
+                                                   [--double-ctrl-c 4] [--signal-runs 12] [--start-faults 4]
+                                                   [--early-kills 16] [--early-signals 8]
                                                    [--seed 0] [--json out.json]
 """
 
@@ -117,15 +126,16 @@ def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
             if how == "double Ctrl-C":
                 os.killpg(proc.pid, signal.SIGINT)
                 os.killpg(proc.pid, signal.SIGINT)
-            elif how == "SIGINT to the group":
-                os.killpg(proc.pid, signal.SIGINT)
-            else:
-                os.kill(proc.pid, getattr(signal, how))
+            else:  # "SIGUSR1", "SIGRTMIN+3", "SIGINT to the group" ...
+                name = how.removesuffix(" to the group")
+                sig = signal.SIGRTMIN + int(name[9:]) if name.startswith("SIGRTMIN+") else getattr(signal, name)
+                (os.killpg if how.endswith(" to the group") else os.kill)(proc.pid, sig)
             sent = True
     proc.wait()
     stderr = proc.stderr.read() if proc.stderr else ""
     left = hostile.left_behind(proc.pid)
     status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
+    completed = (run_dir / "results.json").exists()  # the signal came during the run's last clean-up
     expected = -9 if how == "SIGKILL" else 130
     one_line = how == "SIGKILL" or (len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr)
     deadline = time.time() + 30
@@ -137,11 +147,46 @@ def launcher_run(method: str, run_dir: Path, kill_step: int, how: str) -> dict:
     resumed = subprocess.run(ABTRAIN + ["train", "--resume", str(run_dir)], capture_output=True, text=True, env=env(),
                              timeout=300)
     return {"method": method, "signal": how, "kill_step": kill_step, "sent": sent, "returncode": proc.returncode,
-            "left_behind": len(left),
+            "left_behind": len(left), "completed_before_resume": completed,
             "expected_returncode": expected, "one_line": one_line, "status_after_signal": status.get("status"),
             "resume_returncode": resumed.returncode, "seconds": round(time.perf_counter() - start, 1),
             "status": json.loads((run_dir / "status.json").read_text()).get("status"),
             "error": (stderr.strip().splitlines() or [None])[-1] if proc.returncode not in (0, expected) else None}
+
+
+def start_fault(method: str, run_dir: Path, how: str) -> dict:
+    """The fork server hangs while it imports the workers' code, and either the start-up deadline (3 s here)
+    ends the run, or the server is killed while the launcher waits for it: one line, exit code 1, status failed
+    (kind start), no process left."""
+    plugin = run_dir.parent / "plugins"
+    plugin.mkdir(exist_ok=True)
+    (plugin / "hang_in_server.py").write_text(hostile.SERVER_HANGS)
+    e = {**env(), "ABTRAIN_METHOD_MODULES": "hang_in_server",
+         "PYTHONPATH": os.pathsep.join([str(plugin), os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", hostile.PATCHED_DEADLINE, "3" if how == "deadline" else "600",
+                             "train", *JOB, *METHODS[method], "--checkpoint-every", "3", "--out", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
+    if how == "fork server killed":
+        server, deadline = None, time.time() + 120
+        while server is None and proc.poll() is None and time.time() < deadline:
+            server = hostile._server_of(proc.pid)
+            time.sleep(0.05)
+        time.sleep(1.0)  # the launcher now waits for it
+        if server is not None:
+            os.kill(server, signal.SIGKILL)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+    left = hostile.left_behind(proc.pid)
+    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
+    words = "did not start within 3 s" if how == "deadline" else "was killed by SIGKILL"
+    return {"how": how, "method": method, "returncode": proc.returncode, "left_behind": len(left),
+            "as_documented": one_clear_line(proc.returncode, stderr, 1) and words in stderr
+            and status.get("kind") == "start", "seconds": round(time.perf_counter() - start, 1),
+            "message": stderr.strip()[-300:]}
 
 
 def weights(run_dir: Path) -> dict:
@@ -526,7 +571,12 @@ def main() -> None:
     ap.add_argument("--double-ctrl-c", type=int, default=4, help="two Ctrl-C at a random step, then --resume")
     ap.add_argument("--early-kills", type=int, default=16,
                     help="SIGKILL to the launcher 0-100 ms after its first worker is forked")
-    ap.add_argument("--early-signals", type=int, default=8, help="SIGTERM or SIGINT in the command's first seconds")
+    ap.add_argument("--early-signals", type=int, default=8,
+                    help="SIGTERM, SIGINT, SIGHUP or SIGUSR1 in the command's first seconds")
+    ap.add_argument("--signal-runs", type=int, default=12,
+                    help="other signals (SIGHUP, SIGUSR1, SIGQUIT, ...) during training, a checkpoint or the shutdown")
+    ap.add_argument("--start-faults", type=int, default=4,
+                    help="a fork server that hangs (start-up deadline) or is killed while the workers start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "fault_injection.json"))
     opts = ap.parse_args()
@@ -590,6 +640,37 @@ def main() -> None:
                   f"{r['resume_returncode']}, identical {r['identical']}, left behind {r['left_behind']} "
                   f"({r['seconds']} s)", flush=True)
             shutil.rmtree(run_dir, ignore_errors=True)
+        signalled = []
+        moments = ("training", "checkpoint", "shutdown")
+        others = ("SIGHUP", "SIGUSR1", "SIGUSR2 to the group", "SIGQUIT", "SIGALRM", "SIGRTMIN+3")
+        for i in range(opts.signal_runs):
+            method, moment, how = list(METHODS)[i % len(METHODS)], moments[i % 3], others[i % len(others)]
+            step = {"training": rng.randint(4, STEPS - 3), "checkpoint": 3 * rng.randint(2, (STEPS - 3) // 3),
+                    "shutdown": STEPS}[moment]
+            run_dir = tmp / f"signal-{i}"
+            r = launcher_run(method, run_dir, step, how)
+            r["moment"] = moment
+            # A signal during the last clean-up may find the run complete ("interrupted (SIGHUP) after the run
+            # completed"): nothing is left to resume, and the weights are the run's.
+            r["identical"] = (r["status"] == "complete" and (r["resume_returncode"] == 0 or r["completed_before_resume"])
+                              and same(weights(run_dir), refs[method]))
+            signalled.append(r)
+            print(f"signal {i + 1}/{opts.signal_runs}: {method:3s} {how} at {moment} (after step {step:2d}): exit "
+                  f"{r['returncode']} (one line {r['one_line']}), status {r['status_after_signal']}, resume exit "
+                  f"{r['resume_returncode']}, identical {r['identical']}, left behind {r['left_behind']} "
+                  f"({r['seconds']} s)", flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        faults = []
+        for i in range(opts.start_faults):
+            method, how = list(METHODS)[i % len(METHODS)], ("deadline", "fork server killed")[i % 2]
+            run_dir = tmp / f"start-fault-{i}"
+            r = start_fault(method, run_dir, how)
+            r["rerun_returncode"], r["identical"] = rerun_identical(method, run_dir, refs[method])
+            faults.append(r)
+            print(f"start fault {i + 1}/{opts.start_faults}: {method:3s} {how}: exit {r['returncode']}, as documented "
+                  f"{r['as_documented']}, left behind {r['left_behind']}, rerun exit {r['rerun_returncode']}, "
+                  f"identical {r['identical']} ({r['seconds']} s)", flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
         early = []
         for i in range(opts.early_kills + opts.early_signals):
             method = list(METHODS)[i % len(METHODS)]
@@ -600,7 +681,7 @@ def main() -> None:
                 r = {"how": "SIGKILL after the first fork", **hostile.early_kill(argv, env(), rng)}
                 r["as_documented"] = r["returncode"] == -9
             else:
-                sig = (signal.SIGTERM, signal.SIGINT)[i % 2]
+                sig = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)[i % 4]
                 r = {"how": f"{sig.name} while starting", **hostile.early_signal(argv, env(), sig, rng)}
                 r["as_documented"] = (r["returncode"] == 130 and r["one_line"]) or r["returncode"] == 0
             r["method"] = method
@@ -690,11 +771,17 @@ def main() -> None:
         "early": len(early),
         "early_as_documented": sum(r["as_documented"] for r in early),
         "early_identical": sum(r["identical"] for r in early),
-        "processes_left_behind": sum(r.get("left_behind", 0) for r in launcher + early + failures),
-        "kills_and_signals": len(killed) + sum(r["sent"] for r in launcher) + len(early),
+        "signal_runs": len(signalled),
+        "signal_runs_as_documented": sum(r["sent"] and r["returncode"] == 130 and r["one_line"] for r in signalled),
+        "signal_runs_identical": sum(r["identical"] for r in signalled),
+        "start_faults": len(faults),
+        "start_faults_as_documented": sum(r["as_documented"] for r in faults),
+        "start_faults_identical": sum(r["identical"] for r in faults),
+        "processes_left_behind": sum(r.get("left_behind", 0) for r in launcher + signalled + faults + early + failures),
+        "kills_and_signals": len(killed) + sum(r["sent"] for r in launcher + signalled) + len(faults) + len(early),
         "kills_and_signals_identical": sum(r["identical"] for r in runs if r["killed_worker"] is not None)
-                                       + sum(r["identical"] for r in launcher if r["sent"])
-                                       + sum(r["identical"] for r in early),
+                                       + sum(r["identical"] for r in launcher + signalled if r["sent"])
+                                       + sum(r["identical"] for r in faults + early),
         "failures_after_start": len(failures),
         "failures_classed": sum(f["handled"] for f in failures),
         "bad_inputs": len(inputs),
@@ -712,6 +799,13 @@ def main() -> None:
             ("identical to the uninterrupted run after --resume",
              f"{summary['launcher_identical_after_resume']} / {summary['launcher_runs']}"),
             ("double Ctrl-C: exit 130, one line", f"{summary['double_ctrl_c_as_documented']} / {summary['double_ctrl_c']}"),
+            ("other signals at training, checkpoint, shutdown: 130 and one line",
+             f"{summary['signal_runs_as_documented']} / {summary['signal_runs']}"),
+            ("other signals: identical after --resume (or complete)",
+             f"{summary['signal_runs_identical']} / {summary['signal_runs']}"),
+            ("start faults (deadline, fork server killed): one line, exit 1",
+             f"{summary['start_faults_as_documented']} / {summary['start_faults']}"),
+            ("start faults: identical after the rerun", f"{summary['start_faults_identical']} / {summary['start_faults']}"),
             ("early kill / signal: as documented (-9; 130 and one line)",
              f"{summary['early_as_documented']} / {summary['early']}"),
             ("early kill / signal: identical after the rerun", f"{summary['early_identical']} / {summary['early']}"),
@@ -720,6 +814,8 @@ def main() -> None:
              f"{summary['failures_classed']} / {summary['failures_after_start']}"),
             ("all kills and signals: identical at the end",
              f"{summary['kills_and_signals_identical']} / {summary['kills_and_signals']}"),
+            ("lost runs (not identical at the end)",
+             f"{summary['kills_and_signals'] - summary['kills_and_signals_identical']}"),
             ("bad inputs handled (one line, documented exit code, nothing damaged)",
              f"{summary['bad_inputs_handled']} / {summary['bad_inputs']} ({summary['bad_inputs_cli']} through the real CLI)"),
             ("wall time", f"{summary['seconds']} s")]
@@ -729,7 +825,8 @@ def main() -> None:
         if not i["handled"]:
             print("NOT HANDLED:", i.get("case") or " ".join(i["argv"][-4:]), "->", i["exit"], i["message"][:200])
     Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(opts.json).write_text(json.dumps({"summary": summary, "runs": runs, "launcher": launcher, "early": early,
+    Path(opts.json).write_text(json.dumps({"summary": summary, "runs": runs, "launcher": launcher,
+                                           "signalled": signalled, "start_faults": faults, "early": early,
                                            "failures": failures, "inputs": inputs},
                                           indent=2) + "\n")
     print(f"written {opts.json}")

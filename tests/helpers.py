@@ -98,3 +98,70 @@ def make_fake_fashion(directory: Path, n_train: int = 512, n_test: int = 128, se
         write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", images)
         write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
     return directory
+
+
+# -- the command as a user runs it -------------------------------------------------------------------------
+ABTRAIN = ["-m", "abtrain.cli"]  # after sys.executable
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                      "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher variables (except those in ``extra``), unbuffered."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def one_line(stderr: str) -> str:
+    """The one line of ``stderr``; fails when there are more, or a traceback."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (a command started with start_new_session and all it started)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+                pids.append(int(entry))
+    return pids
+
+
+def left_behind(sid: int, wait: float = 60.0) -> list[int]:
+    """The processes of session ``sid`` still alive once they had ``wait`` seconds to go (killed then)."""
+    import signal
+    import time
+    deadline = time.time() + wait
+    while session_pids(sid) and time.time() < deadline:
+        time.sleep(0.1)
+    left = session_pids(sid)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return left
+
+
+def tree_digest(root: Path, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every entry under ``root`` (links as their text, never followed; files by content), except names in
+    ``skip``: what must not change outside a run directory."""
+    out: dict[str, Any] = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if any(part in skip for part in path.relative_to(root).parts):
+            continue
+        if path.is_symlink():
+            out[rel] = ("link", os.readlink(path))
+        elif path.is_file():
+            out[rel] = ("file", path.read_bytes(), path.stat().st_nlink)
+        else:
+            out[rel] = ("other", path.stat().st_mode)
+    return out

@@ -167,7 +167,7 @@ def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys, monkeypat
     # SIGKILL ran no cleanup: the next launcher removes the dead one's temporary directory, and its fork
     # server's socket directory.
     from abtrain.run.fork_server import SOCKET_DIR_RECORD
-    from abtrain.run.launch import _remove_orphaned_tmp
+    from abtrain.run.private_tmp import remove_orphaned
     private = [n for n in os.listdir(tmpdir) if n.startswith(f"abtrain-{proc.pid}-")]
     assert len(private) == 1
     socket_dir = (tmpdir / private[0] / SOCKET_DIR_RECORD).read_text()  # under tmpdir, or /tmp if that is too long
@@ -175,7 +175,7 @@ def test_a_live_run_owns_its_directory_until_it_dies(tmp_path, capsys, monkeypat
     assert sorted(os.listdir(tmpdir)) == sorted(private + [os.path.basename(socket_dir)] * (
         os.path.dirname(socket_dir) == str(tmpdir)))
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
-    _remove_orphaned_tmp()
+    assert remove_orphaned() == [str(tmpdir / private[0])]
     assert os.listdir(tmpdir) == [] and not os.path.exists(socket_dir)
 
 

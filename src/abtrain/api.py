@@ -11,8 +11,9 @@ from typing import Any
 
 from .comm.communicator import Communicator
 from .comm.ledger import Ledger
-from .comm.topology import Topology, group_layout, world_from_env
+from .comm.topology import Topology, check_int, check_timeout, group_layout, world_from_env
 from .methods import Method, registry
+from .validate import MAX_VALUE
 
 
 def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int | None = None,
@@ -25,8 +26,11 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
     one torchrun's variables describe (abtrain initialises it and ``close()``
     destroys it). A single process without torchrun runs with communication skipped.
 
-    ``total_steps``: the run's length in optimizer steps; AB-training's schedule
+    ``total_steps``: the run's length in optimizer steps (1 to 10**9); AB-training's schedule
     is a fraction of it (or call ``method.set_total_steps(total_steps)`` later).
+    ``backend``: auto, gloo or nccl; ``device``: auto, cpu or cuda; ``timeout_s``: how long a
+    collective may wait for its peers, in (0, one week]. A value of the wrong type raises a
+    TypeError, one out of range a ValueError, each naming the argument and what it accepts.
     ``group_size``: workers per group (default: the workers of one node; for
     AB-training on one node, the world split into 2 groups, said on rank 0).
     ``quiet``: rank 0 prints nothing (the schedule and per-layer decisions
@@ -36,6 +40,9 @@ def setup(method: str = "ab", *, total_steps: int | None = None, group_size: int
     The returned method has ``.topo`` (rank, world, device), ``.comm.ledger`` (every byte
     sent), ``attach``/``detach``, ``consensus``, ``export`` and ``close``.
     """
+    if total_steps is not None:  # a run of 10**30 steps would have AB-training plan its schedule for ever
+        total_steps = check_int("total_steps", total_steps, 1, MAX_VALUE)
+    check_timeout(timeout_s)
     try:
         spec = registry.get(method)
         check_option_names(spec, options)

@@ -8,6 +8,7 @@ line.
 from __future__ import annotations
 
 import argparse
+import shlex
 import json
 import logging
 import os
@@ -25,6 +26,13 @@ if TYPE_CHECKING:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
         self.exit(2, f"abtrain: error: {message} (see '{self.prog} --help')\n")
+
+
+class _CheckingParser(_Parser):
+    """Raises the error as a ValueError instead of exiting: for flags checked on behalf of another command."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
 
 
 def _choices(f) -> Sequence[str] | None:
@@ -65,12 +73,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, fields: list, defaults: A
         parser.add_argument(flag, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentParser:
     from .config import SECTIONS, TrainConfig, config_fields, section_fields
     from .methods import registry
-    parser = _Parser(prog="abtrain", description="Communication-efficient distributed training on PyTorch, every byte counted.")
+    parser = parser_class(prog="abtrain", description="Communication-efficient distributed training on PyTorch, every byte counted.")
     parser.add_argument("--version", action="version", version=f"abtrain {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
     train = sub.add_parser(
         "train", help="train a model with a communication method on local workers or in a torchrun/srun world",
         description="Train a model with a communication method. Without an external launcher, starts --workers "
@@ -147,8 +155,26 @@ def _add_bench_parser(sub: Any) -> None:
     model.add_argument("--node-size", type=int, default=4, metavar="N", help="workers per node (default: 4)")
 
 
+def check_train_flags(text: str, where: str) -> None:
+    """Refuse (ValueError naming ``where``) 'abtrain train' flags that its parser refuses: an unknown flag or a
+    value of the wrong type given to ``abtrain bench`` fails now, in one line, not in every method's run."""
+    try:
+        tokens = shlex.split(text)
+    except ValueError:
+        return  # unbalanced quotes: BenchConfig says so
+    if "-h" in tokens or "--help" in tokens:
+        raise ValueError(f"{where}: --help is not a flag of a run")
+    try:
+        build_parser(_CheckingParser).parse_args(["train", *tokens])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def bench_config_from_args(ns: argparse.Namespace) -> Any:
     from .sidebyside import BenchConfig, NetworkModel, parse_method_args
+    check_train_flags(ns.extra, f"--extra {ns.extra!r}")
+    for item in ns.method_args:
+        check_train_flags(item.partition(":")[2], f"--method-args {item!r}")
     model = NetworkModel(intra_bw=ns.intra_bw * 1e9, inter_bw=ns.inter_bw * 1e9,
                          intra_latency=ns.intra_latency * 1e-6, inter_latency=ns.inter_latency * 1e-6,
                          node_size=ns.node_size)
@@ -175,7 +201,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
     """The configuration saved in ``ns.resume``'s run directory, plus the few options a resume may change."""
     from .config import TrainConfig
     from .run.rundir import check_layout
-    from .run.safefile import open_file
+    from .run.safefile import read_text
     run_dir = ns.resume
     path = os.path.join(run_dir, "config.json")
     if not os.path.isdir(run_dir):
@@ -191,8 +217,7 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
                          f"{', '.join('--' + k.replace('_', '-') for k in refused)} would change it "
                          f"(allowed: {', '.join('--' + k.replace('_', '-') for k in allowed)})")
     try:
-        with open_file(path) as fh:
-            saved = json.load(fh)
+        saved = json.loads(read_text(path))
     except FileNotFoundError:
         raise ValueError(f"{run_dir} has no config.json: not a run directory of 'abtrain train'") from None
     except (OSError, ValueError) as exc:
@@ -218,8 +243,12 @@ def config_for_resume(ns: argparse.Namespace) -> TrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``abtrain`` command; ``argv`` given: called in-process, the caller's signal handlers come back after."""
-    handlers = interrupt.install()  # first of all: torch's import takes seconds and may meet a Ctrl-C
+    handlers = None
     try:
+        handlers = interrupt.install()  # first of all: torch's import takes seconds and may meet a Ctrl-C
+        # torch's C++ log lines (a store's connection retries, each with a C++ stack) come before abtrain's one
+        # line and repeat it; read once, when torch is imported. TORCH_CPP_LOG_LEVEL=WARNING brings them back.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
         return _main(argv)
     except KeyboardInterrupt as exc:  # before anything was started (a run's interruption is said by the launcher)
         print(f"abtrain: interrupted ({interrupt.signal_of(exc)})", file=sys.stderr, flush=True)
@@ -227,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if argv is not None:
             interrupt.restore(handlers)
+        elif interrupt.received():
+            interrupt.ignore_all()  # a second signal, after the line that said how the run ended
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -250,7 +281,12 @@ def _main(argv: Sequence[str] | None) -> int:
             report = run_bench(bench_config_from_args(ns))
             if report["interrupted"]:
                 return 130
-            return 0 if all(r["status"] == "complete" for r in report["methods"]) else 1
+            failed = [r for r in report["methods"] if r["status"] != "complete"]
+            if failed:  # said on stdout with the rest of the report; the failure itself belongs on stderr too
+                print(f"abtrain: error: {len(failed)} of {len(report['methods'])} methods failed: "
+                      + "; ".join(f"{r['method']}: {r.get('error') or r['status']}" for r in failed),
+                      file=sys.stderr)
+            return 1 if failed else 0
     except RunFailed as exc:
         print(f"abtrain: error: {exc}", file=sys.stderr)
         return exc.code

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .methods import registry
-from .validate import check_types, opt
+from .validate import check_ranges, check_types, opt
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,11 +28,6 @@ DEVICES = ("auto", "cpu", "cuda")
 SECTIONS: dict[str, type] = {spec.section: spec.options for spec in registry.with_options()}  # type: ignore[misc]
 
 
-#: Counts above this are typos (``--steps 99999999999999999999``), refused before they overflow anything.
-MAX_COUNT = 10**9
-COUNT_FIELDS = ("workers", "epochs", "steps", "batch_size", "eval_every", "log_every", "group_size", "threads",
-                "block_size", "limit_train", "limit_test", "checkpoint_every", "stop_after", "warmup_lr_steps",
-                "max_restarts", "seed")
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 24 * 3600.0  # seconds
 
 
@@ -63,7 +59,7 @@ class TrainConfig:
     group_size: int | None = opt(None, "workers per group; traffic inside a group has scope 'group', across groups 'global' (default: workers per node)")
     backend: str = opt("auto", "torch.distributed backend: gloo on CPU, nccl on CUDA", choices=BACKENDS)
     device: str = opt("auto", "device: cuda when available, else cpu", choices=DEVICES)
-    threads: int | None = opt(None, "torch CPU threads per worker (default: cores / local workers)")
+    threads: int | None = opt(None, "torch CPU threads per worker (default: cores / local workers)", high=1024)
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     block_size: int = opt(64, "context length for the character language model")
     limit_train: int | None = opt(None, "use only the first N training samples (quick runs)")
@@ -90,11 +86,6 @@ class TrainConfig:
                 _positive(name, getattr(self, name))
         for name in ("lr", "bucket_cap_mb", "timeout"):
             _positive(name, getattr(self, name), strict=True)
-        for name in COUNT_FIELDS:
-            value = getattr(self, name)
-            if value is not None and value > MAX_COUNT:
-                raise ValueError(f"--{_flag(name)} {value} is beyond any real run (at most {MAX_COUNT:,}); "
-                                 f"check the number")
         if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:
             raise ValueError(f"--timeout must be between {MIN_TIMEOUT:g} and {MAX_TIMEOUT:g} seconds, got "
                              f"{self.timeout:g}: a collective's normal wait must fit in it")
@@ -113,6 +104,7 @@ class TrainConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"unknown --{_flag(f.name)} {getattr(self, f.name)!r}; choose one of: {', '.join(choices)}")
+        check_ranges(self)  # every number within what its consumer holds, also those no rule above covers
         if self.epochs is None and self.steps is None:
             self.epochs = 3
         if self.stop_after is not None and self.steps is not None and self.stop_after >= self.steps:
@@ -250,23 +242,18 @@ def read_config_file(path: str) -> dict[str, Any]:
     JSON (a ``.json`` file) is what a run saves as ``RUN_DIR/config.json``, so
     ``--config RUN_DIR/config.json`` repeats a run; its nulls mean "the default".
     """
-    if os.path.isdir(path):
-        raise ValueError(f"config file {path} is a directory; pass a TOML file (--config FILE)")
-    if not os.path.isfile(path):
-        raise ValueError(f"config file {path} does not exist")
     try:
+        data = _read_regular(path, MAX_CONFIG_BYTES)
         if path.endswith(".json"):
             try:
-                with open(path) as fh:
-                    raw = json.load(fh, object_pairs_hook=_unique_pairs)
+                raw = json.loads(data.decode(), object_pairs_hook=_unique_pairs)
             except ValueError as exc:
                 raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
             if not isinstance(raw, dict):
                 raise ValueError(f"config file {path} does not hold a table of options")
             raw = _drop_nulls(raw)
         else:
-            with open(path, "rb") as fh:
-                raw = tomllib.load(fh)
+            raw = tomllib.loads(data.decode())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
@@ -284,6 +271,37 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 #: The deepest nesting of tables and arrays a config file may hold (an option inside a method's table is 2).
 MAX_DEPTH = 3
+#: The largest config file read: every option of every method fits in a few kB.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_regular(path: str, limit: int) -> bytes:
+    """The bytes of regular file ``path`` (a link to one is followed): what is there instead (nothing, a
+    directory, a FIFO, a device such as /dev/zero, a socket) or a file above ``limit`` bytes is refused before
+    reading."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens without waiting for a writer
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        fd, error = None, exc.strerror  # a socket cannot be opened: said below, by its kind
+    st = os.fstat(fd) if fd is not None else os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        if fd is not None:
+            os.close(fd)
+        kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                 (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+        what = next((name for test, name in kinds if test(st.st_mode)), "not a file")
+        raise ValueError(f"config file {path} is {what}, not a regular file; pass a TOML file (--config FILE)")
+    if fd is None:
+        raise ValueError(f"config file {path} cannot be read: {error}")
+    size = st.st_size
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(limit + 1) if size <= limit else b""
+        if size > limit or len(data) > limit:
+            raise ValueError(f"config file {path} holds {max(size, len(data)):,} bytes, more than a configuration "
+                             f"({limit:,} at most); pass the TOML file of the run's options")
+    return data
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

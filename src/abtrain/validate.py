@@ -1,8 +1,12 @@
-"""Type checks and the base class shared by the option dataclasses.
+"""Type and range checks and the base class shared by the option dataclasses.
 
 A value of the wrong type (a string for a number, a float for a count, NaN)
 must be reported as a ``ValueError`` naming the flag, not surface later as a
-``TypeError`` from a comparison deep in the code.
+``TypeError`` from a comparison deep in the code. A number of the right type but
+beyond what any run uses (``--lr 1e308``, ``--powersgd-seed -1``) is refused the
+same way, by one rule for every numeric option (:func:`check_ranges`), before
+any worker starts: its consumer (a float32 learning rate, DDP's int64 bucket
+bytes, NumPy's 32-bit seed) would otherwise fail inside the workers.
 """
 
 from __future__ import annotations
@@ -10,6 +14,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, ClassVar
+
+#: The largest magnitude of any numeric option: counts above it are typos (``--steps 99999999999999999999``), and
+#: every consumer holds it (float32 computations, int64 byte counts, 32-bit seeds). A field may narrow its range
+#: with ``low=`` / ``high=`` in its metadata (:func:`opt`).
+MAX_VALUE = 10**9
 
 
 def _type_name(annotation: Any) -> str:
@@ -43,6 +52,8 @@ def check_types(obj: Any, flag_prefix: str = "--") -> None:
         elif kind == "str":
             if not isinstance(value, str):
                 raise ValueError(f"{flag} must be a string, got {value!r}")
+            if "\x00" in value:  # a path with one cannot be opened; said here, not as os's "embedded null byte"
+                raise ValueError(f"{flag} holds a NUL character (\\x00), which no path or name may hold: {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}")
         elif kind == "int" and not isinstance(value, int):
@@ -55,6 +66,35 @@ def check_types(obj: Any, flag_prefix: str = "--") -> None:
             if not math.isfinite(value):
                 raise ValueError(f"{flag} must be a finite number, got {value!r}")
             setattr(obj, f.name, value)
+
+
+def value_range(f: dataclasses.Field) -> tuple[int | float, int | float] | None:
+    """The range a numeric field of an options dataclass accepts (None for other fields): integers from 0, numbers
+    from -MAX_VALUE, both up to MAX_VALUE, unless the field's metadata gives ``low`` / ``high``."""
+    kinds = [p.strip() for p in _type_name(f.type).split("|") if p.strip() != "None"]
+    if kinds not in (["int"], ["float"]):
+        return None
+    return f.metadata.get("low", 0 if kinds == ["int"] else -MAX_VALUE), f.metadata.get("high", MAX_VALUE)
+
+
+def check_ranges(obj: Any, flag_prefix: str = "--") -> None:
+    """Refuse (ValueError naming the flag and the range) any number of dataclass ``obj`` outside its
+    :func:`value_range`. Run after the owner's own checks, whose messages say more where they apply: this one rule
+    catches every value they let through that no consumer can hold."""
+    for f in dataclasses.fields(obj):
+        bounds = value_range(f)
+        value = getattr(obj, f.name)
+        if bounds is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        low, high = bounds
+        flag = flag_prefix + f.name.replace("_", "-")
+        if value > high:
+            shown, limit = (f"{value:g}", f"{high:g}") if isinstance(value, float) else (str(value), f"{high:,}")
+            raise ValueError(f"{flag} {shown} is beyond any real run (at most {limit}); check the number")
+        if not low <= value <= high:
+            what = (f"an integer from {low:,} to {high:,}" if isinstance(value, int)
+                    else f"a number from {low:g} to {high:g}")
+            raise ValueError(f"{flag} must be {what}, got {value!r}")
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:
@@ -83,6 +123,7 @@ class Options:
         for name, value in self.derived().items():
             setattr(self, name, value)
         self.check()
+        check_ranges(self, f"--{self.section.replace('_', '-')}-")
 
     def derived(self) -> dict[str, Any]:
         """The values of options left unset (None) whose default follows from the others, by name: resolved

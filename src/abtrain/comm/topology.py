@@ -95,6 +95,34 @@ def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"abtrain/attempt{restarts}", store)
 
 
+#: What ``backend=`` and ``device=`` accept (auto: nccl with CUDA, else gloo; cuda when available, else cpu).
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+#: The longest wait a collective may be given (seconds): a week; a timedelta of more overflows in torch's C++.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int (a NumPy integer too): a TypeError naming ``name`` for a bool, float or string, a
+    ValueError outside [``low``, ``high``] when given."""
+    span = f" from {low:,} to {high:,}" if low is not None and high is not None else ""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer{span}, got {value!r}")
+    number = int(value)  # type: ignore[call-overload]
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise ValueError(f"{name} must be an integer{span}, got {number}")
+    return number
+
+
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
+    """A collective's timeout in seconds: a number in (0, one week] (TypeError / ValueError naming ``name``)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {timeout_s!r}")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+    return float(timeout_s)
+
+
 def resolve_backend(backend: str = "auto", device: str = "auto") -> tuple[str, bool]:
     """``(backend, use_cuda)`` for the asked ``--backend`` / ``--device``; ValueError when this machine cannot
     provide them (the launcher calls this before starting any worker)."""
@@ -170,9 +198,18 @@ class Topology:
     _groups: dict[str, Group] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "local_rank", "local_world_size"):
+            setattr(self, name, check_int(name, getattr(self, name)))
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Topology(rank={self.rank}, world_size={self.world_size}): world_size must be >= 1 and "
+                             f"rank in [0, world_size)")
+        if not 1 <= self.local_world_size <= self.world_size or not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"Topology(local_rank={self.local_rank}, local_world_size={self.local_world_size}): "
+                             f"local_world_size must be in [1, world_size={self.world_size}] and local_rank in "
+                             f"[0, local_world_size)")
         if self.group_size is None:
             self.group_size = node_group_size(self.world_size, self.local_world_size)
-        check_group_size(self.world_size, self.group_size)
+        check_group_size(self.world_size, check_int("group_size", self.group_size))
 
     @property
     def num_groups(self) -> int:
@@ -227,6 +264,10 @@ class Topology:
         process group when there is more than one worker; a world of one runs
         without any process group.
         """
+        timeout_s = check_timeout(timeout_s)
+        for name, value, choices in (("backend", backend, BACKENDS), ("device", device, DEVICES)):
+            if value not in choices:
+                raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
         import_unbound()
         joined = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if joined else _env_int("RANK", 0)

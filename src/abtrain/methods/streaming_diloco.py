@@ -64,7 +64,7 @@ class StreamingDiLoCoConfig(Options):
     outer_lr: float = opt(0.7, "learning rate of the outer SGD on the averaged outer gradient")
     outer_momentum: float = opt(0.9, "Nesterov momentum of the outer SGD (0: plain SGD)")
     quantize: str = opt("e3m0", "outer gradients on the wire: e3m0 (4 bits, one float32 scale per block) or fp32 (DiLoCo's all-reduce)", choices=("e3m0", "fp32"))
-    block: int = opt(256, "elements sharing one scale under e3m0 (even)")
+    block: int = opt(256, "elements sharing one scale under e3m0 (even)", high=1 << 16)  # each tensor pads to p blocks
 
     def check(self) -> None:
         self.require("h", self.h >= 1, "a positive integer")

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from .._version import __version__
-from .safefile import NoSpaceError, RunDirGone, atomic_write, is_no_space, make_dir, open_file, regular_size, write_json
+from .safefile import (NoSpaceError, RunDirGone, TooLarge, atomic_write, is_no_space, make_dir, open_file,
+                       read_text, regular_size, write_json)
 
 FORMAT = "abtrain-checkpoint"
 #: the layout of a checkpoint (the manifest, the shards and the method's state in them); an abtrain reads its own
@@ -123,8 +124,9 @@ def read_manifest(run_dir: str) -> dict[str, Any] | None:
     if not os.path.lexists(path):
         return None
     try:
-        with open_file(path) as fh:
-            manifest = json.load(fh)
+        manifest = json.loads(read_text(path))  # a manifest of gigabytes is refused before it is read
+    except TooLarge as exc:
+        raise ValueError(f"checkpoint manifest {exc}; the checkpoint cannot be used") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"checkpoint manifest {path} is unreadable ({exc}); the checkpoint cannot be used") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -143,7 +145,26 @@ def read_manifest(run_dir: str) -> dict[str, Any] | None:
     if unsummed:
         raise ValueError(f"checkpoint manifest {path} has no sha256 for {', '.join(unsummed)}; the checkpoint "
                          f"cannot be checked, so it is not used")
+    _check_values(manifest, path)
     return manifest
+
+
+def _check_values(manifest: dict[str, Any], path: str) -> None:
+    """Every size, checksum and setting as abtrain writes them: a forged value is said to be the manifest's fault,
+    not the shard's (a sha256 that is no sha256) or a flag's (an lr that is no number)."""
+    settings = manifest.get("settings", {})
+    if not isinstance(settings, dict):
+        settings = {"": settings}
+    wrong = [(f"files.{n}", v, "a size in bytes") for n, v in manifest["files"].items()
+             if type(v) is not int or v < 0]
+    wrong += [(f"sha256.{n}", v, "64 hexadecimal digits") for n, v in manifest["sha256"].items()
+              if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{64}", v)]
+    wrong += [(f"settings.{n}".rstrip("."), v, "a positive number") for n, v in settings.items()
+              if not (type(v) in (int, float) and 0 < v < math.inf) and not (n == "grad_clip" and v is None)]
+    if wrong:
+        key, value, what = wrong[0]
+        raise ValueError(f"checkpoint manifest {path} holds {key} = {value!r}, not {what}: it was changed after "
+                         f"abtrain wrote it, so the checkpoint is not used")
 
 
 def check_manifest(manifest: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -323,11 +344,30 @@ def load(run_dir: str, rank: int, expected: dict[str, Any]) -> dict[str, Any]:
     if manifest is None:
         raise ValueError(f"run directory {run_dir} has no complete checkpoint to continue from")
     check_manifest(manifest, expected, checkpoint_root(run_dir))
-    state = load_shard(shard_path(run_dir, manifest, rank))
+    path = shard_path(run_dir, manifest, rank)
+    state = load_shard(path)
     if state.get("step") != manifest["step"]:
         raise ValueError(f"checkpoint shard of worker {rank} is for step {state.get('step')}, "
                          f"the manifest for step {manifest['step']}")
+    # Never written by abtrain (check_finite runs before every save): training from it would only diverge again.
+    for part in ("model", "optimizer"):
+        name = _first_non_finite(state.get(part), part)
+        if name is not None:
+            raise ValueError(f"checkpoint {path} holds inf or nan in {name}: it cannot be continued (abtrain never "
+                             f"writes one); start the run again")
     return state
+
+
+def _first_non_finite(tree: Any, name: str) -> str | None:
+    """The path of the first floating-point tensor in nested dicts and lists ``tree`` that holds inf or nan."""
+    if torch.is_tensor(tree):
+        return name if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else None
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        found = _first_non_finite(value, f"{name}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 # -- random number generators ---------------------------------------------

@@ -1,9 +1,15 @@
-"""SIGINT and SIGTERM to the ``abtrain`` command: the first one interrupts, any later one waits for that to finish.
+"""Signals to the ``abtrain`` command: the first one that would end it interrupts, any later one waits for that.
 
 Installed before anything heavy is imported (torch takes seconds), so a signal at any moment ends the command
 with one line and exit code 130: the first signal raises :class:`Interrupted` wherever the launcher is (the
-elastic agent then stops the workers on its way out); a second Ctrl-C while the run winds down is ignored
+elastic agent then stops the workers on its way out); a second one while the run winds down is ignored
 instead of breaking that off with a traceback. Imports only the standard library.
+
+Every signal whose default action ends a process is handled so (:data:`SIGNALS`: SIGINT, SIGTERM, SIGHUP,
+SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, ..., the real-time ones), except those that report the process's own fault
+(SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP, SIGSYS: Python's or the C library's business) and those
+Python itself ignores (SIGPIPE, SIGXFSZ: a write then fails with an error instead). SIGKILL and SIGSTOP cannot
+be caught.
 """
 
 from __future__ import annotations
@@ -13,16 +19,37 @@ import threading
 from types import FrameType
 from typing import Any
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+def _terminating() -> tuple[int, ...]:
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF",
+             "SIGXCPU", "SIGIO", "SIGPWR", "SIGSTKFLT")
+    found = [int(getattr(signal, n)) for n in names if hasattr(signal, n)]
+    if hasattr(signal, "SIGRTMIN"):
+        found += range(signal.SIGRTMIN, signal.SIGRTMAX + 1)
+    return tuple(dict.fromkeys(found))
+
+
+#: The signals that end the command as SIGTERM does (see the module's docstring for those that are not handled).
+SIGNALS = _terminating()
 _received: list[int] = []
 
 
 class Interrupted(KeyboardInterrupt):
-    """The launcher got SIGINT or SIGTERM; ``name`` is the signal's."""
+    """The launcher got one of :data:`SIGNALS`; ``name`` is the signal's."""
 
     def __init__(self, signum: int) -> None:
-        self.name = signal.Signals(signum).name
+        self.name = signal_name(signum)
         super().__init__(self.name)
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM``, ``SIGRTMIN+3``, ... (the names ``kill -l`` uses)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        if hasattr(signal, "SIGRTMIN") and signal.SIGRTMIN < signum <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
+        return f"signal {signum}"
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
@@ -33,18 +60,63 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 def install() -> dict[int, Any] | None:
-    """Route SIGINT and SIGTERM through :func:`_handler`; returns the handlers it replaced (None off the main
-    thread, where Python cannot set handlers)."""
+    """Route :data:`SIGNALS` through :func:`_handler`; returns the handlers it replaced (None off the main
+    thread, where Python cannot set handlers). A signal other than SIGINT and SIGTERM that was ignored when the
+    command started (``nohup`` ignores SIGHUP) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         return None
     _received.clear()
-    return {sig: signal.signal(sig, _handler) for sig in SIGNALS}
+    return reinstall()
+
+
+def reinstall() -> dict[int, Any]:
+    """Route :data:`SIGNALS` through :func:`_handler` again, after a library replaced some handlers (torch's elastic
+    agent installs its own when it starts workers); a signal already received stays received. Main thread only."""
+    previous: dict[int, Any] = {}
+    # Blocked while they are set (one arriving meanwhile is delivered at the end, to this handler): from outside,
+    # every one is caught from the moment any one is.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        for sig in SIGNALS:
+            if sig not in (signal.SIGINT, signal.SIGTERM) and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored by whoever started the command (nohup ignores SIGHUP): the run is to outlive it
+            previous[sig] = signal.signal(sig, _handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return previous
+
+
+def to_default() -> None:
+    """A worker: every one of :data:`SIGNALS` ends it at once and quietly (the default action), even inside a
+    blocking collective, where a Python handler would run only once the collective returned. A signal other than
+    SIGINT and SIGTERM that the worker's starter ignored (``nohup``) stays ignored."""
+    for sig in SIGNALS:
+        if sig in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def received() -> bool:
+    """True once a signal has interrupted the command."""
+    return bool(_received) and _received[0] != 0
+
+
+def received_name() -> str:
+    """The name of the signal that interrupted the command (see :func:`received`)."""
+    return signal_name(_received[0]) if received() else "none"
 
 
 def hold() -> None:
-    """From now on, ignore SIGINT and SIGTERM (routed here): a clean-up that must finish is under way."""
+    """From now on, ignore :data:`SIGNALS` (routed here): a clean-up that must finish is under way."""
     if not _received:
         _received.append(0)
+
+
+def ignore_all() -> None:
+    """Ignore :data:`SIGNALS` for the rest of the process: the command has said how it ended, and Python sets its
+    handlers back to the default actions while the interpreter shuts down, where a late signal would still kill
+    it and replace the exit code that says so."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def restore(previous: dict[int, Any] | None) -> None:

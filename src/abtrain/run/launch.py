@@ -11,8 +11,10 @@
   on loopback, forked from a fork server that has torch and abtrain imported
   (:mod:`abtrain.run.fork_server`). The launcher holds the run
   directory's lock, keeps torch's temporary files in a private directory that
-  it removes at the end, and turns every way a run can end into one line and
-  an exit code (see :mod:`abtrain.run.rundir`).
+  it removes at the end (:mod:`abtrain.run.private_tmp`), gives the start of
+  the workers a deadline, and turns every way a run can end (a signal too,
+  :mod:`abtrain.run.interrupt`) into one line and an exit code (see
+  :mod:`abtrain.run.rundir`).
 """
 
 from __future__ import annotations
@@ -20,26 +22,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from typing import Any
 
 from ..config import TrainConfig
-from . import fork_server
+from . import fork_server, interrupt, private_tmp
 from .checkpoint import read_manifest, shard_path
-from .interrupt import hold as hold_signals
-from .interrupt import install as install_signal_handlers
-from .interrupt import restore as restore_signal_handlers
-from .interrupt import signal_of
 from .results import check_writable
 from .rundir import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_SPACE, EXIT_WORKER_DIED, RunFailed, RunLock, StepBoard,
                      check_layout, read_status, signal_name, write_status)
 from .safefile import write_json
-from .world_env import external_world
+from .world_env import check_master_addr, external_world
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +45,9 @@ log = logging.getLogger(__name__)
 TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 #: A local run with more workers than this many per core gets a warning about memory.
 WORKERS_PER_CORE_WARNING = 4
+#: The shortest deadline for starting the local workers (the fork server imports torch first, which takes seconds
+#: on a loaded machine); the deadline is --timeout when that is longer.
+MIN_START_S = 60.0
 
 
 def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
@@ -59,6 +60,8 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
     from .worker import restart_count, worker_main
 
     mode = external_world()  # refuses half-set launcher variables before anything is touched
+    if mode:
+        check_master_addr(os.environ)
     world = int(os.environ["WORLD_SIZE"]) if mode else cfg.workers
     run_dir = resume_dir or cfg.out or os.environ.get("ABTRAIN_RUN_DIR") or default_run_dir(cfg)
     is_main = not mode or int(os.environ.get("RANK", "0")) == 0
@@ -96,7 +99,7 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
     except KeyboardInterrupt as exc:
         if not started:
             raise  # nothing was started: the command says so
-        return _interrupted(run_dir, "", world, signal_of(exc))
+        return _interrupted(run_dir, "", world, interrupt.signal_of(exc))
     finally:
         lock.release()
 
@@ -187,9 +190,12 @@ def _exited(pid: int) -> bool:
         return False
 
 
-def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: str, start_method: str) -> Any:
+def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: str, start_method: str,
+                started: Any = None) -> Any:
     """torch's local elastic agent, watched: restarts are announced in one line, stopped workers are woken
-    before they are terminated (a SIGSTOPped worker would otherwise hold the shutdown for its timeout)."""
+    before they are terminated (a SIGSTOPped worker would otherwise hold the shutdown for its timeout), abtrain's
+    signal handlers come back once torch has installed its own, and ``started()`` is called once the first
+    workers run."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -207,6 +213,13 @@ def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: s
 
     class Agent(LocalElasticAgent):
         signalled: dict[int, int] = {}  # of the last failed attempt
+        running = False  # the first workers have started
+
+        def _start_workers(self, worker_group: Any) -> Any:
+            result = super()._start_workers(worker_group)
+            if threading.current_thread() is threading.main_thread():
+                interrupt.reinstall()  # torch's handlers (TORCHELASTIC_SIGNALS_TO_HANDLE) raise anew in its shutdown
+            return result
 
         def _wake(self) -> None:
             """SIGCONT every worker once one has exited: torch terminates the rest with SIGTERM and waits 30 s
@@ -226,6 +239,9 @@ def _make_agent(cfg: TrainConfig, run_dir: str, resume: bool, tmp: str, board: s
             return {rank: c for rank, c in codes.items() if c is not None and c < 0 and -c not in ignore}
 
         def _monitor_workers(self, worker_group: Any) -> Any:
+            if not self.running and started is not None:
+                started()
+            self.running = True
             self._wake()
             before = self._signalled()  # before torch stops the others with SIGTERM
             result = super()._monitor_workers(worker_group)
@@ -254,56 +270,89 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
     # Its loggers set their own levels, so each is quietened by name once the agent's modules are imported.
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "terminating process" on every failure
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # torch's temporary files (the agent's log directory, each worker's error file) go to a directory of this
-    # run's own, removed at the end whatever the outcome.
-    _remove_orphaned_tmp()
-    start_method, socket_dir = fork_server.start_method()
-    tmp = tempfile.mkdtemp(prefix=f"abtrain-{os.getpid()}-")
-    if socket_dir is not None:  # removed when this process exits; after a SIGKILL, by the next launcher
-        fork_server.record_socket_dir(tmp, socket_dir)
-    board = os.path.join(tmp, "steps")
     saved: dict[str, Any] = {"tempdir": tempfile.tempdir, "TMPDIR": os.environ.get("TMPDIR"),
                              "signals": os.environ.get(TORCH_SIGNALS)}
-    tempfile.tempdir = tmp
-    os.environ["TMPDIR"] = tmp
-    # SIGINT and SIGTERM stay with abtrain's handlers (the first interrupts, a second one is ignored while the
-    # workers are stopped); torch's would raise again inside its own shutdown, with a traceback.
-    handlers = install_signal_handlers()
+    # abtrain's handlers (the first signal interrupts, a later one is ignored while the workers are stopped); torch's
+    # would raise again inside its own shutdown, with a traceback.
+    handlers = interrupt.install()
     os.environ[TORCH_SIGNALS] = "SIGHUP,SIGQUIT"
+    start_method, tmp, board = "spawn", None, ""
+    deadline = fork_server.StartDeadline(max(cfg.timeout, MIN_START_S))
     try:
-        agent = _make_agent(cfg, run_dir, resume, tmp, board, start_method)
+        # torch's temporary files (the agent's log directory, each worker's error file) go to a directory of this
+        # run's own, removed at the end whatever the outcome; a killed launcher's are removed by the next one.
+        private_tmp.remove_orphaned()
+        start_method, socket_dir = fork_server.start_method()
+        tmp = private_tmp.make()
+        if socket_dir is not None:  # removed when this process exits; after a SIGKILL, by the next launcher
+            fork_server.record_socket_dir(tmp, socket_dir)
+        board = os.path.join(tmp, "steps")
+        tempfile.tempdir = tmp
+        os.environ["TMPDIR"] = tmp
+        agent = _make_agent(cfg, run_dir, resume, tmp, board, start_method, started=deadline.done)
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         # As torch's launcher does, the rendezvous is closed (its heartbeats stopped) unless a signal ended the
         # agent. Left open, its threads meet the interpreter's shutdown and can abort a launcher whose run finished.
         rendezvous = agent.get_worker_group().spec.rdzv_handler
         try:
+            if start_method == "forkserver":
+                deadline.start()
+                fork_server.ensure_running()
             result = agent.run()
         except (SignalException, KeyboardInterrupt):
             raise
-        except BaseException:
+        except BaseException as exc:
             rendezvous.shutdown()
-            raise
+            if agent.running or interrupt.received() or not isinstance(exc, Exception):
+                raise
+            _start_failed(run_dir, exc, deadline)  # the fork server died, or did not answer by the deadline
         rendezvous.shutdown()
         if result.is_failed():
             _failed(result.failures, run_dir, board, agent.signalled)
     except SignalException as exc:
         return _interrupted(run_dir, board, cfg.workers, signal_name(int(exc.sigval)))
     except KeyboardInterrupt as exc:
-        return _interrupted(run_dir, board, cfg.workers, signal_of(exc))
+        return _interrupted(run_dir, board, cfg.workers, interrupt.signal_of(exc))
+    except Exception:
+        if not interrupt.received():
+            raise
+        # A signal landed while its own effect (the fork server or a worker gone) surfaced as this error: it is
+        # the signal's (the handler of a second one returns without raising; see interrupt.hold).
+        return _interrupted(run_dir, board, cfg.workers, interrupt.received_name())
     finally:
-        hold_signals()  # the clean-up below runs to its end
+        deadline.done()
+        interrupt.hold()  # the clean-up below runs to its end
         tempfile.tempdir = saved["tempdir"]
         for name, value in (("TMPDIR", saved["TMPDIR"]), (TORCH_SIGNALS, saved["signals"])):
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        restore_signal_handlers(handlers)  # the agent installs its own (SIGHUP, SIGQUIT) and leaves them
+        interrupt.restore(handlers)  # torch's agent installs its own and leaves them
         if start_method == "forkserver":
             fork_server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _start_failed(run_dir: str, exc: BaseException, deadline: fork_server.StartDeadline) -> None:
+    """The workers could not be started (the fork server that forks them died, or had not answered when
+    ``deadline`` passed): record it and raise its one line."""
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    server = fork_server.server_end()
+    if deadline.expired:
+        line = (f"the workers did not start within {deadline.seconds:g} s: the fork server that starts them (it "
+                f"imports torch first) did not answer; the machine may be overloaded (try again, or give a longer "
+                f"--timeout)")
+    elif server is not None:
+        line = f"the fork server that starts the workers {server} before it had started them; start the run again"
+    else:
+        line = f"the workers could not be started ({type(exc).__name__}: {first}); start the run again"
+    with contextlib.suppress(OSError):
+        write_status(run_dir, "failed", error=line, kind="start", retry=True, exit_code=EXIT_FAILED)
+    raise RunFailed(line, EXIT_FAILED)
 
 
 def _failed(failures: dict[int, Any], run_dir: str, board: str, signalled: dict[int, int]) -> None:
@@ -322,29 +371,8 @@ def _failed(failures: dict[int, Any], run_dir: str, board: str, signalled: dict[
     raise RunFailed(line, code)
 
 
-def _remove_orphaned_tmp() -> None:
-    """Remove the private temporary directories of launchers that were killed (SIGKILL runs no cleanup), and
-    the socket directories of their fork servers."""
-    root = tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        m = re.fullmatch(r"abtrain-(\d+)-\w+", name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            fork_server.remove_recorded_socket_dir(os.path.join(root, name))
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except OSError:
-            pass  # alive (or another user's)
-
-
 def _interrupted(run_dir: str, board: str, world: int, sig: str) -> int:
-    """SIGINT / SIGTERM to the launcher: the workers are stopped; record it and say how to continue."""
+    """A signal to the launcher (SIGINT, SIGTERM, ...): the workers are stopped; record it and say how to continue."""
     if os.path.exists(os.path.join(run_dir, "results.json")):  # the signal came during the last clean-up
         print(f"abtrain: interrupted ({sig}) after the run completed", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

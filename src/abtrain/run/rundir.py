@@ -11,7 +11,8 @@
   of it reporting a ``running`` that no live process owns as ``interrupted``
   (the launcher was killed with SIGKILL).
 - :func:`check_layout`: every path abtrain uses in a run directory is what it
-  should be (a regular file, a directory, or nothing), links not followed.
+  should be (a regular file, a directory, or nothing), links not followed, and
+  the lock, written in place, a file of one name (no hard link).
 
 Exit codes of ``abtrain train`` are defined here, once.
 """
@@ -23,13 +24,13 @@ import fcntl
 import json
 import os
 import re
-import signal
 import stat
 import struct
 import time
 from typing import TYPE_CHECKING, Any
 
-from .safefile import WrongKind, check_kind, open_fd, open_file, write_json
+from .interrupt import signal_name  # noqa: F401  (re-exported: the launcher names signals)
+from .safefile import WrongKind, check_kind, check_single_link, open_fd, read_text, write_json
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -74,10 +75,13 @@ class RunLock:
             raise ValueError(f"cannot write to run directory {self.run_dir}: {exc.strerror}; pass --out with a "
                              f"writable directory") from None
         try:
+            # Written in place (a lock replaced by rename would let two owners lock two files): never one with
+            # other names, whose file outside the run directory would get the pid.
+            check_single_link(self.path, fd)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        except (OSError, WrongKind) as exc:
             os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+            if isinstance(exc, WrongKind) or exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
             owner = _read_owner(self.path)
             raise RunDirInUse(f"run directory {self.run_dir} is in use by another abtrain process"
@@ -102,8 +106,7 @@ class RunLock:
 
 def _read_owner(path: str) -> str | None:
     try:
-        with open_file(path) as fh:
-            text = fh.read().strip()
+        text = read_text(path, limit=32).strip()  # a pid and a newline
     except (OSError, ValueError):
         return None
     return text if text.isdigit() else None
@@ -134,8 +137,7 @@ def read_status(run_dir: str) -> dict[str, Any] | None:
     """``status.json`` (None when it is missing, unreadable, or not a regular file: a link is not followed);
     a ``running`` status whose owner is gone reads as ``interrupted``."""
     try:
-        with open_file(os.path.join(run_dir, "status.json")) as fh:
-            status = json.load(fh)
+        status = json.loads(read_text(os.path.join(run_dir, "status.json")))
     except (OSError, ValueError):
         return None
     if isinstance(status, dict) and status.get("status") == "running" and not is_locked(run_dir):
@@ -162,6 +164,7 @@ def check_layout(run_dir: str) -> None:
         check_kind(run_dir, "dir")  # raises, naming what is there
     for name, kind in LAYOUT.items():
         check_kind(os.path.join(run_dir, name), kind)
+    check_single_link(os.path.join(run_dir, LOCK_NAME))  # the one file written in place (the others: by rename)
     root = os.path.join(run_dir, "checkpoint")
     for name in _listdir(root):
         m = _CHECKPOINT_ENTRY.fullmatch(name)
@@ -211,13 +214,6 @@ class StepBoard:
         if len(data) != cls.SLOT.size:
             return None
         return cls.SLOT.unpack(data)[0]
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def launch_id(environ: dict[str, str] | None = None) -> str | None:

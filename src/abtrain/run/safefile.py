@@ -5,8 +5,10 @@ at ``RUN_DIR/.lock`` would make a plain ``open(O_CREAT)`` truncate the file it p
 a read forever. So every file abtrain opens in a run directory is opened with ``O_NOFOLLOW`` (and
 ``O_NONBLOCK``, so a FIFO cannot hang the open) and checked with ``fstat`` to be a regular file, and every
 directory it writes into is checked with ``lstat`` to be a real directory. Writes replace files by
-``rename`` (:func:`atomic_write`), which replaces a link itself, never its target: readers never see half a
-file, and a full disk (:class:`NoSpaceError`) leaves the old one as it was.
+``rename`` (:func:`atomic_write`), which replaces a link itself, never its target, and gives a hard-linked name a
+new file of its own (the other names keep the old one): readers never see half a file, and a full disk
+(:class:`NoSpaceError`) leaves the old one as it was. The one file written in place, the lock, is refused when it
+has other names (:func:`check_single_link`). Files read are size-checked first (:func:`read_text`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any, BinaryIO
 
-__all__ = ["NoSpaceError", "RunDirGone", "WrongKind", "atomic_write", "check_kind", "is_no_space", "make_dir",
-           "open_fd", "open_file", "regular_size", "write_json"]
+__all__ = ["NoSpaceError", "RunDirGone", "TooLarge", "WrongKind", "atomic_write", "check_kind", "check_single_link",
+           "is_no_space", "is_own_private_dir", "make_dir", "open_fd", "open_file", "read_text", "regular_size",
+           "write_json"]
 
 
 class WrongKind(ValueError):
@@ -79,6 +82,49 @@ def open_file(path: str, mode: str = "r") -> IO[Any]:
     if mode not in ("r", "rb"):
         raise ValueError(f"open_file reads only, got mode {mode!r}")
     return os.fdopen(open_fd(path, os.O_RDONLY), mode)
+
+
+#: The largest JSON file abtrain reads in a run directory (config.json, status.json, the checkpoint manifest): what
+#: it writes there is a few kB; a file of gigabytes (a sparse one costs nothing to make) is refused before reading.
+MAX_TEXT_BYTES = 16 << 20
+
+
+class TooLarge(ValueError):
+    """A file abtrain reads is far larger than anything abtrain writes there."""
+
+
+def read_text(path: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """The text of regular file ``path`` (links not followed), refused (:class:`TooLarge`) when its size is above
+    ``limit`` bytes, before anything is read."""
+    with open_file(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        data = fh.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:  # the second: it grew while being read
+        raise TooLarge(f"{path} is {max(size, len(data)):,} bytes, far more than abtrain writes there ({limit:,} at "
+                       f"most): it is not abtrain's file, so it is not read")
+    return data.decode()
+
+
+def check_single_link(path: str, fd: int | None = None) -> None:
+    """Refuse (:class:`WrongKind`) a file with more than one name (a hard link): abtrain writes into it in place
+    (the lock), which would change the file behind every other name too. Absent: nothing to check."""
+    try:
+        st = os.fstat(fd) if fd is not None else os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        raise WrongKind(f"{path} has {st.st_nlink} hard links: abtrain writes into it in place, which would change "
+                        f"the file behind its other names too; remove it, or pass another run directory")
+
+
+def is_own_private_dir(path: str) -> bool:
+    """True when ``path`` (never followed when it is a link) is a directory this user alone can have made: owned by
+    this process's uid, with no permission for group or others (``mkdtemp``'s 0700)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 def regular_size(path: str) -> int:

@@ -25,7 +25,7 @@ from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
 from .results import TensorBoard, count_multiply_adds, gather_memory, peak_rss_bytes, results_record, summary_table, write_metrics_csv
 from .rundir import write_status
-from .safefile import NoSpaceError, is_no_space, open_file, write_json
+from .safefile import NoSpaceError, is_no_space, read_text, write_json
 
 log = logging.getLogger(__name__)
 
@@ -341,8 +341,7 @@ class Trainer:
 
     def _read_saved_config(self) -> dict[str, Any] | None:
         try:
-            with open_file(os.path.join(self.run_dir, "config.json")) as fh:
-                saved = json.load(fh)
+            saved = json.loads(read_text(os.path.join(self.run_dir, "config.json")))
         except (OSError, ValueError):
             return None
         return saved if isinstance(saved, dict) else None

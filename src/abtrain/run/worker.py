@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
 import traceback
 from typing import Any
@@ -22,6 +21,7 @@ from ..comm.topology import Topology
 from ..config import TrainConfig
 from ..methods.registry import MethodInputError
 from . import checkpoint as ckpt
+from . import interrupt
 from .lifeline import die_with_parent
 from .plan import Plan, group_layout
 from .rundir import EXIT_FAILED, EXIT_INPUT, EXIT_NO_SPACE, StepBoard, read_status, write_status
@@ -102,11 +102,10 @@ def worker_main(cfg_dict: dict[str, Any], run_dir: str, resume: bool = False, re
     the launcher's fork server).
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Ctrl-C and the launcher's SIGTERM end a worker at once and quietly, even inside a blocking
-    # collective (a Python handler would only run once the collective returned); the launcher
-    # reports the interruption and the checkpoint protocol keeps the last complete checkpoint.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C, the launcher's SIGTERM and every other signal that ends a run end a worker at once and quietly,
+    # even inside a blocking collective (a Python handler would only run once the collective returned); the
+    # launcher reports the interruption and the checkpoint protocol keeps the last complete checkpoint.
+    interrupt.to_default()
     if board is not None:
         # The parent is the launcher's fork server (or the launcher itself, for spawned workers); one that is
         # already gone by now would never send the death signal.

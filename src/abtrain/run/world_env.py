@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+
+from ..validate import MAX_VALUE
 
 
 def external_world(environ: dict[str, str] | None = None) -> str | None:
@@ -44,7 +47,24 @@ def _count(name: str, value: str | None, least: int) -> int:
         number = least - 1
     if number < least:
         raise ValueError(f"{name}={value!r} is not a count of at least {least}: the launcher's variables are broken")
+    if number > MAX_VALUE:  # a typo, said as one instead of as a batch that no longer fits each worker's shard
+        raise ValueError(f"{name}={value} is beyond any real world (at most {MAX_VALUE:,}): the launcher's variables "
+                         f"are broken")
     return number
+
+
+def check_master_addr(env: dict[str, str] | os._Environ) -> None:
+    """MASTER_ADDR names a host this machine can resolve (for a world of more than one worker): said now, in one
+    line, instead of by torch's store after --timeout, with its C++ log lines."""
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if int(env.get("WORLD_SIZE", "1")) <= 1 or not addr:
+        return
+    try:
+        socket.getaddrinfo(addr, int(port) if port.isdigit() else None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"MASTER_ADDR={addr!r} does not resolve to an address ({reason}): set it to the host name "
+                         f"or IP address of rank 0's machine") from None
 
 
 def check_world_variables(env: dict[str, str] | os._Environ) -> None:

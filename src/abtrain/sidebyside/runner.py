@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -214,7 +215,11 @@ def _run_processes(procs: list[tuple[list[str], dict[str, str]]], run_dir: str,
                 p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      bufsize=1, errors="replace")
             else:
-                fh = open(os.path.join(run_dir, f"worker-{k}.log"), "w")
+                path = os.path.join(run_dir, f"worker-{k}.log")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a new file: never written through a link or into another name of an old one
+                fh = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                       0o666), "w")
                 logs.append(fh)
                 p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
             started.append(p)

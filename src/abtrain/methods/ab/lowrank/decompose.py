@@ -139,6 +139,8 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
     oq, rq = _range(_orthogonal_part(q, v), torch.linalg.matrix_norm(q))
     middle = torch.cat([torch.cat([core + pu @ qv.T, pu @ rq.T], 1),
                         torch.cat([rp @ qv.T, rp @ rq.T], 1)], 0)
+    if not bool(torch.isfinite(middle).all()):
+        return None  # W or its change holds inf or nan: the full SVD says so, as the divergence it is
     try:
         uk, s, vkh = torch.linalg.svd(middle, full_matrices=False)
     except RuntimeError as err:  # no convergence: the full SVD decides
