@@ -133,14 +133,14 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
     rtol = max(rtol, 4 * torch.finfo(stored.dtype).eps)  # W held in a narrow dtype is only that close to the sum
     u, core, vh = parts.U.float(), parts.core.float(), parts.Vh.float()
     p, q = parts.P.float(), parts.Q.float()
+    if not all(bool(torch.isfinite(t).all()) for t in (u, core, vh, p, q)):
+        return None  # W or its change holds inf or nan: the full SVD says so, as the divergence it is
     v = vh.T
     pu, qv = u.T @ p, vh @ q  # the parts of P and Q inside the bases
     op, rp = _range(_orthogonal_part(p, u), torch.linalg.matrix_norm(p))
     oq, rq = _range(_orthogonal_part(q, v), torch.linalg.matrix_norm(q))
     middle = torch.cat([torch.cat([core + pu @ qv.T, pu @ rq.T], 1),
                         torch.cat([rp @ qv.T, rp @ rq.T], 1)], 0)
-    if not bool(torch.isfinite(middle).all()):
-        return None  # W or its change holds inf or nan: the full SVD says so, as the divergence it is
     try:
         uk, s, vkh = torch.linalg.svd(middle, full_matrices=False)
     except RuntimeError as err:  # no convergence: the full SVD decides
