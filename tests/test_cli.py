@@ -263,6 +263,8 @@ FLAGS = {
     "--hlocalsgd-h", "--streaming-diloco-h", "--streaming-diloco-fragments", "--streaming-diloco-overlap",
     "--streaming-diloco-alpha", "--streaming-diloco-outer-lr", "--streaming-diloco-outer-momentum",
     "--streaming-diloco-quantize", "--streaming-diloco-block", "--demo-topk", "--demo-chunk", "--demo-decay",
+    "--sparseloco-sync-every", "--sparseloco-outer-lr", "--sparseloco-decay", "--sparseloco-chunk",
+    "--sparseloco-topk", "--sparseloco-quantize", "--sparseloco-mean",
 }
 
 

@@ -202,7 +202,7 @@ def _resumable(name: str, ckpt_dir: str, stop: int | None, resume: bool, load_op
             "warnings": warnings}
 
 
-@pytest.mark.parametrize("name", ["ab", "diloco", "ef21"])
+@pytest.mark.parametrize("name", ["ab", "diloco", "sparseloco", "ef21"])
 def test_resuming_from_model_and_optimizer_equals_the_uninterrupted_run(name, tmp_path):
     whole = run_world(_resumable, 4, name, str(tmp_path), None, False)
     run_world(_resumable, 4, name, str(tmp_path), 13, False)  # stops inside an AB phase, between two syncs

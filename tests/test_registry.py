@@ -35,7 +35,7 @@ def _abtrain(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
 
 def test_the_builtin_methods_are_registered_in_their_files():
     assert registry.names() == ["ddp", "ab", "ddp-bf16", "powersgd", "localsgd", "diloco", "streaming-diloco",
-                                "ef21", "onebit", "demo", "hlocalsgd", "none"]
+                                "sparseloco", "ef21", "onebit", "demo", "hlocalsgd", "none"]
     for spec in registry.specs():
         assert spec.build.__module__.startswith("abtrain.methods.")  # a module of the package, or of a sub-package
         assert spec.options is None or issubclass(spec.options, Options)

@@ -30,6 +30,7 @@ from .localsgd import LocalSGD, LocalSGDConfig  # noqa: E402
 from .none import NoCommunication  # noqa: E402
 from .onebit import OneBit, OneBitConfig  # noqa: E402
 from .powersgd import PowerSGD, PowerSGDConfig  # noqa: E402
+from .sparseloco import SparseLoCo, SparseLoCoConfig  # noqa: E402
 from .streaming_diloco import StreamingDiLoCo, StreamingDiLoCoConfig  # noqa: E402
 
 
@@ -61,5 +62,5 @@ def build_method(name: str, comm: Communicator, topo: Topology, **options) -> Me
 
 __all__ = ["ABConfig", "ABTraining", "BF16DDPMethod", "DDPMethod", "DeMo", "DeMoConfig", "DiLoCo", "DiLoCoConfig",
            "EF21", "EF21Config", "HLocalSGD", "HLocalSGDConfig", "LocalSGD", "LocalSGDConfig", "METHODS", "Method",
-           "NoCommunication", "OneBit", "OneBitConfig", "PowerSGD", "PowerSGDConfig", "StreamingDiLoCo",
-           "StreamingDiLoCoConfig", "build_method", "registry"]
+           "NoCommunication", "OneBit", "OneBitConfig", "PowerSGD", "PowerSGDConfig", "SparseLoCo",
+           "SparseLoCoConfig", "StreamingDiLoCo", "StreamingDiLoCoConfig", "build_method", "registry"]
