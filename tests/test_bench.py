@@ -98,7 +98,7 @@ def test_existing_report_is_not_overwritten(tmp_path, capsys):
 
 
 BENCH_FLAGS = {"--workload", "--methods", "--quick", "--out", "--extra", "--method-args", "--net", "--intra-bw",
-               "--inter-bw", "--intra-latency", "--inter-latency", "--node-size"}
+               "--inter-bw", "--intra-latency", "--inter-latency", "--node-size", "--steps-factor"}
 
 
 def test_bench_flag_surface_is_frozen():
