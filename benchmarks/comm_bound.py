@@ -183,7 +183,8 @@ def main() -> int:
     tag = "" if args.steps_factor == 1 else f"steps{args.steps_factor:g}".replace(".", "") + "-"
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", f"comm-bound-{tag}{args.workload}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    result = {"workload": args.workload, "methods": args.methods, "steps_factor": args.steps_factor,
+    result = {"command": " ".join(["benchmarks/comm_bound.py", *sys.argv[1:]]), "workload": args.workload,
+              "description": workload.description, "methods": args.methods, "steps_factor": args.steps_factor,
               "eval_every": args.eval_every, "seeds": {}}
     if args.link_share is not None:
         result["rate_derivation"] = derive_rate(args, seeds[0])
