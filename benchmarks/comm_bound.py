@@ -14,14 +14,15 @@ for every method, so a method that runs more steps in less time evaluates more o
 
 The rate. DDP's link time is its global wire bytes per worker B over the node link's rate R (a node sends what
 one of its workers counts, docs/bench.md), and its compute is about `none`'s wall T (the same steps, no
-communication), so DDP's link share is B/R / (B/R + T). `--link-share S` picks R for a share S: it first runs
+communication; both in training seconds, below), so DDP's link share is B/R / (B/R + T). `--link-share S` picks R for a share S: it first runs
 `none` alone (OUT/rate/, seed of the first of --seeds), takes T from it and B from its results' `ddp_equivalent`
 (what DDP's fp32 all-reduce sends for those steps), and sets R = B / (T · S / (1 − S)), rounded to a whole
 Mbit/s. fashion-cnn at 20 Mbit/s: B = 1802 MB, T = 144 s, share 83 %.
 
 Prints one table and writes OUT/comm_bound.json and OUT/table.md:
 
-- DDP's link share: (DDP's wall − none's wall) / DDP's wall, measured, and the prediction above;
+- DDP's link share: (DDP's time − none's) / DDP's time in training seconds (below), measured, and the
+  prediction above;
 - per method and seed: its steps, final metric, global wire bytes per worker, wall; the training seconds (wall
   less the evaluations before, abtrain.sidebyside.timing) at the first evaluation as good as DDP's final metric,
   not interpolated, with the previous evaluation's (the value was reached between the two), and its ratio to
@@ -72,7 +73,7 @@ def derive_rate(args, seed: int) -> dict:
         raise SystemExit(f"comm_bound: the none run that sets the rate did not complete: {none['error']}")
     with open(os.path.join(none["run_dir"], "results.json")) as f:
         results = json.load(f)
-    share, wall = args.link_share, results["wall_seconds"]
+    share, wall = args.link_share, training_seconds(results["history"])[-1]  # none's compute, evaluations left out
     ddp_bytes = results["ddp_equivalent"]["global_wire_bytes"]
     rate_bytes = ddp_bytes / (wall * share / (1 - share))
     mbit = max(1, round(rate_bytes * 8 / 1e6))
@@ -97,10 +98,11 @@ def summarise(report: dict) -> dict:
     out = {"metric": metric, "rate_bytes_per_s": rate, "steps_factor": report.get("steps_factor", 1.0),
            "ddp_target": timing["target"], "ddp_seconds": timing["ddp_seconds"], "common_target": common,
            "ddp_link_seconds_predicted": link, "rows": []}
-    if none is not None:
-        out["none_wall"] = none["wall_seconds"]
-        out["ddp_link_share_measured"] = (ddp["wall_seconds"] - none["wall_seconds"]) / ddp["wall_seconds"]
-        out["ddp_link_share_predicted"] = link / (link + none["wall_seconds"])
+    if none is not None:  # training seconds, as the times: both runs evaluate as often, and that is not link time
+        none_seconds, ddp_seconds = training_seconds(none["history"])[-1], timing["ddp_seconds"]
+        out["none_wall"], out["none_seconds"] = none["wall_seconds"], none_seconds
+        out["ddp_link_share_measured"] = (ddp_seconds - none_seconds) / ddp_seconds
+        out["ddp_link_share_predicted"] = link / (link + none_seconds)
     ddp_common = reach(ddp["history"], common, metric)
     for name, m in runs.items():
         t, common_at = timing["methods"][name], reach(m["history"], common, metric)
@@ -141,7 +143,7 @@ def table(result: dict, seeds: list[int]) -> list[str]:
             f"- seed {seed}: DDP's final {show(s['ddp_target'])} after {s['ddp_seconds']:.1f} s of training; common "
             f"level {show(s['common_target'])}; DDP's link share measured {fmt(s.get('ddp_link_share_measured'), '.1%')}"
             f" (predicted {fmt(s.get('ddp_link_share_predicted'), '.1%')}: {s['ddp_link_seconds_predicted']:.0f} s of "
-            f"link, none's wall {fmt(s.get('none_wall'), '.1f', ' s')}); first to DDP's {name}: "
+            f"link, none's {fmt(s.get('none_seconds'), '.1f', ' s')} of training); first to DDP's {name}: "
             + (", ".join(f"{r['method']} ({r['to_ddp_ratio']:.2f}x)" for r in order) or "none but DDP"))
     lines += ["", f"| seed | method | steps | {name} | global wire | wall | to DDP's final (previous evaluation) "
                   f"| ÷ DDP's time | {name} at DDP's time | to the common level | ÷ DDP's | evaluations | tx ÷ ledger |",

@@ -442,7 +442,7 @@ def time_section(nets: list[SlowNet], walls: dict | None) -> list[str]:
         derivation = d.get("rate_derivation")
         how = (f" The rate is the one at which DDP's run is {derivation['link_share']:.0%} link time: DDP's "
                f"{derivation['ddp_global_wire_bytes'] / 1e6:.1f} MB of global wire bytes per worker over "
-               f"`none`'s wall of {derivation['none_wall']:.1f} s × {derivation['link_share']:.2f} / "
+               f"`none`'s {derivation['none_wall']:.1f} s of training × {derivation['link_share']:.2f} / "
                f"{1 - derivation['link_share']:.2f}." if derivation else "")
         lines += para(f"{d['description']}; each group of workers in a node of its own, the nodes joined by "
                       f"{n.mbit} links (`abtrain bench --net`); an evaluation every {d['eval_every']} steps, every "
@@ -452,7 +452,7 @@ def time_section(nets: list[SlowNet], walls: dict | None) -> list[str]:
             lines += [""] + para(
                 f"Seed {seed}: DDP's final {name} {n.show(s['ddp_target'])} after {s['ddp_seconds']:.1f} s of "
                 f"training; DDP's link share {s.get('ddp_link_share_measured', 0):.1%} measured "
-                f"({s.get('ddp_link_share_predicted', 0):.1%} predicted from the ledger's bytes and `none`'s wall).")
+                f"({s.get('ddp_link_share_predicted', 0):.1%} predicted from the ledger's bytes and `none`'s time).")
             lines += ["", f"| method | steps | {name} | global wire | wall | to DDP's {name} | ÷ DDP's time | "
                           f"at DDP's time | evaluations | tx ÷ ledger |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r in s["rows"]:

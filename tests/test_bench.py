@@ -653,7 +653,10 @@ def test_comm_bound_summary_of_a_stored_report():
     runs = {m["method"]: m for m in report["methods"]}
     assert s["common_target"] == min(m["metric"] for name, m in runs.items() if name != "none")
     ddp, none = runs["ddp"], runs["none"]
-    assert s["ddp_link_share_measured"] == pytest.approx((ddp["wall_seconds"] - none["wall_seconds"]) / ddp["wall_seconds"])
+    ddp_t, none_t = ddp["history"][-1]["wall_seconds"], none["history"][-1]["wall_seconds"]  # no eval_seconds yet
+    assert s["ddp_link_share_measured"] == pytest.approx((ddp_t - none_t) / ddp_t)
+    assert s["ddp_link_share_predicted"] == pytest.approx(s["ddp_link_seconds_predicted"]
+                                                          / (s["ddp_link_seconds_predicted"] + none_t))
     assert s["ddp_link_seconds_predicted"] == pytest.approx(ddp["global_wire_bytes"] * 8 / 20e6)
     rows = {r["method"]: r for r in s["rows"]}
     assert rows["ddp"]["to_ddp_ratio"] == 1.0 and rows["ab"]["to_ddp"] is None  # AB ends below DDP's final accuracy
