@@ -8,8 +8,15 @@ A stored report is docs/results/peers-full-<workload>/ab_configs.json, what
 `benchmarks/ab_configs.py --method ddp --method ... --seeds 0,1` writes (its first row, DDP, is the
 reference), with the plot `front.png` beside it. Every such folder present is a section of the page
 and columns of the README's table, in the bench's order of workloads. The README's table sits
-between the lines `<!-- results:begin -->` and `<!-- results:end -->`; nothing else in the README
-is touched. Reads JSON only: no training, no torch.
+between the lines `<!-- results:begin -->` and `<!-- results:end -->`.
+
+The README's second table, between `<!-- time:begin -->` and `<!-- time:end -->`, and the page's
+section on time: each method's wall on one machine against DDP's, from
+docs/results/wall-vs-ddp/wall_vs_ddp.json (what `benchmarks/wall_vs_ddp.py` writes under
+benchmarks/results/wall_vs_ddp/, copied there once run on an idle machine), and its time to DDP's
+final metric on a slow network, from every docs/results/comm-bound-steps*-<workload>/comm_bound.json
+(what `benchmarks/comm_bound.py --steps-factor F` writes). Nothing else in the README is touched.
+Reads JSON only: no training, no torch.
 """
 
 import argparse
@@ -26,6 +33,9 @@ README = Path("README.md")
 REPORTS = Path("docs") / "results"
 PREFIX = "peers-full-"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+TIME_BEGIN, TIME_END = "<!-- time:begin -->", "<!-- time:end -->"
+WALLS = REPORTS / "wall-vs-ddp" / "wall_vs_ddp.json"
+SLOW_NET = "comm-bound-steps*-*/comm_bound.json"
 
 #: The bench's workloads in the order its docs list them; a report of any other workload follows them.
 WORKLOAD_ORDER = ("fashion-cnn", "fashion-wide", "fashion-resnet", "shakespeare-gpt", "tiny")
@@ -217,15 +227,16 @@ def workload_section(report: Report) -> list[str]:
     return lines + [""]
 
 
-def results_page(reports: list[Report]) -> str:
-    """docs/results.md: one section per stored report, then the workloads still without one."""
+def results_page(reports: list[Report], time: list[str] | None = None) -> str:
+    """docs/results.md: one section per stored report, the workloads still without one, the section on time."""
     present = {r.workload for r in reports}
     names = ", ".join(f"`{r.workload}`" for r in reports)
     lines = [
         "# Results: every method at the full budget",
         "",
-        "<!-- Written by benchmarks/results_page.py from docs/results/peers-full-*/ab_configs.json; "
-        "edit that script or the reports, not this page. -->",
+        "<!-- Written by benchmarks/results_page.py from docs/results/peers-full-*/ab_configs.json, "
+        "comm-bound-steps*-*/comm_bound.json and wall-vs-ddp/wall_vs_ddp.json; edit that script or the reports, "
+        "not this page. -->",
         "",
     ]
     lines += para(
@@ -241,6 +252,7 @@ def results_page(reports: list[Report]) -> str:
         lines += ["## Not measured at the full budget yet", ""]
         for w in pending:
             lines += para(PENDING[w]) + [""]
+    lines += time or []
     lines += ["## Elsewhere", ""] + para(
         "What each method sends, its byte formula, and what these tables say method by method: "
         "[`docs/methods.md`](methods.md). AB-training's defaults and why: "
@@ -281,19 +293,189 @@ def readme_table(reports: list[Report]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def with_readme_table(readme: str, table: str) -> str:
+def with_readme_table(readme: str, table: str, begin: str = BEGIN, end: str = END) -> str:
     """The README with the text between the markers replaced by the table."""
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
-        raise ValueError(f"README.md must hold one {BEGIN} line and one {END} line after it")
-    before, rest = readme.split(BEGIN, 1)
-    _, after = rest.split(END, 1)
-    return f"{before}{BEGIN}\n{table}{END}{after}"
+    if readme.count(begin) != 1 or readme.count(end) != 1 or readme.index(begin) > readme.index(end):
+        raise ValueError(f"README.md must hold one {begin} line and one {end} line after it")
+    before, rest = readme.split(begin, 1)
+    _, after = rest.split(end, 1)
+    return f"{before}{begin}\n{table}{end}{after}"
+
+
+# -- time: one machine and a slow network ------------------------------------------------------------
+@dataclass
+class SlowNet:
+    """One stored `benchmarks/comm_bound.py` sweep: a workload through a shaped link, seed by seed."""
+    folder: Path       # relative to the repository root
+    data: dict
+
+    @property
+    def workload(self) -> str:
+        return self.data["workload"]
+
+    @property
+    def seeds(self) -> list[str]:
+        return sorted(self.data["seeds"], key=int)
+
+    @property
+    def perplexity(self) -> bool:
+        return self.data["seeds"][self.seeds[0]]["metric"] == "perplexity"
+
+    @property
+    def mbit(self) -> str:
+        return f"{self.data['seeds'][self.seeds[0]]['rate_bytes_per_s'] * 8 / 1e6:g} Mbit/s"
+
+    def row(self, seed: str, method: str) -> dict | None:
+        return next((r for r in self.data["seeds"][seed]["rows"] if r["method"] == method), None)
+
+    def show(self, value: float | None) -> str:
+        if value is None:
+            return "–"
+        return f"{value:.3f}" if self.perplexity else f"{100 * value:.2f} %"
+
+
+def load_slow_nets(root: Path = ROOT) -> list[SlowNet]:
+    """Every docs/results/comm-bound-steps*-*/comm_bound.json under root, in the bench's workload order."""
+    found = [SlowNet(p.parent.relative_to(root), json.loads(p.read_text()))
+             for p in sorted((root / REPORTS).glob(SLOW_NET))]
+    rank = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
+    return sorted(found, key=lambda n: (rank.get(n.workload, len(rank)), n.workload))
+
+
+def load_walls(root: Path = ROOT) -> dict | None:
+    """The stored wall_vs_ddp.json, or None before it is measured."""
+    path = root / WALLS
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def wall_ratios(walls: dict | None) -> dict[str, dict[str, list[float]]]:
+    """workload -> method -> its wall ÷ DDP's on one machine, one value per seed (every method the JSON holds)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for row in (walls or {}).get("rows", []):
+        runs = {k: v for k, v in row.items() if isinstance(v, dict) and "wall_seconds" in v}
+        for method, run in runs.items():
+            out.setdefault(row["workload"], {}).setdefault(method, []).append(
+                run["wall_seconds"] / runs["ddp"]["wall_seconds"])
+    return out
+
+
+def ratios(values: list[float | None], missing: str = "–") -> str:
+    """Per-seed ratios, ``missing`` for a seed without one (a target never reached); "–" for none at all."""
+    if not values:
+        return "–"
+    return " / ".join(missing if v is None else f"{v:.2f}×" for v in values)
+
+
+def time_table(nets: list[SlowNet], walls: dict | None) -> str:
+    """The README's time table: each method's wall on one machine against DDP's, and on each slow network its
+    time to DDP's final metric against DDP's time and its metric at DDP's time."""
+    one = wall_ratios(walls)
+    if not nets and not one:
+        return ("No time measurements are stored yet (`benchmarks/wall_vs_ddp.py`, "
+                "`benchmarks/comm_bound.py --steps-factor 1.5`).\n")
+    head = ["method"] + [f"one machine `{w}`: wall ÷ DDP's" for w in one]
+    for n in nets:
+        name = "perplexity" if n.perplexity else "accuracy"
+        head += [f"`{n.workload}` at {n.mbit}: to DDP's {name} ÷ DDP's time", f"{name} at DDP's time"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    present = set().union(*(r.keys() for r in one.values()), *(
+        {row["method"] for s in n.seeds for row in n.data["seeds"][s]["rows"]} for n in nets))
+    for method in (m for m in README_METHODS if m in present):
+        cells = [f"`{method}`" + (" (defaults)" if method == "ab" else "")]
+        cells += [ratios(one[w].get(method, [])) for w in one]
+        for n in nets:
+            rows = [n.row(s, method) for s in n.seeds]
+            cells.append("–" if all(r is None for r in rows) else
+                         ratios([None if r is None else r["to_ddp_ratio"] for r in rows], "not reached"))
+            cells.append(" / ".join("–" if r is None else n.show(r["at_ddp_time"]) for r in rows))
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = []
+    if one:
+        notes.append(f"One machine: the training loop's wall of each seed, 4 workers on 2 CPU cores "
+                     f"(`{walls['command']}`, {walls['date']}).")
+    else:
+        notes.append("One machine: not measured on an idle machine yet (`benchmarks/wall_vs_ddp.py`).")
+    for n in nets:
+        d = n.data
+        first = d["seeds"][n.seeds[0]]
+        share = " / ".join(f"{d['seeds'][s].get('ddp_link_share_measured', 0):.0%}" for s in n.seeds)
+        notes.append(
+            f"`{n.workload}` through {n.mbit} links between nodes, one per group of workers (DDP's run {share} "
+            f"link time), seeds "
+            f"{' / '.join(n.seeds)}: every method but DDP ran {first['steps_factor']:g}× DDP's steps, its "
+            "learning-rate schedule stretched over them; times are training seconds (wall less evaluations), to "
+            f"the first evaluation at least as good as DDP's final value (not interpolated); \"not reached\": not "
+            "within the longer run.")
+    lines += [""] + para(" ".join(notes) + " Each seed, the bytes and the commands: "
+                         "[`docs/results.md`](docs/results.md#time-to-ddps-result-where-the-network-is-slow).")
+    return "\n".join(lines) + "\n"
+
+
+def time_section(nets: list[SlowNet], walls: dict | None) -> list[str]:
+    """docs/results.md's section on time: the one-machine walls and each slow-network sweep, seed by seed."""
+    lines = ["## Time to DDP's result where the network is slow", ""]
+    lines += para(
+        "Bytes are what the methods save; time is what a user feels. On a slow link between nodes a method "
+        "that compresses may run more steps than DDP and still finish first: each sweep below gives every "
+        "method but DDP (and `none`, where no worker communicates) more steps, its learning-rate schedule "
+        "stretched over them, and asks when it first reached DDP's final value. Times are training seconds: "
+        "the wall at an evaluation less the evaluations before it, so the evaluation interval does not weigh "
+        "on them; a time is that of the first evaluation at least as good (not interpolated), and the value "
+        "was reached after the previous evaluation, whose time is in brackets. \"At DDP's time\": the value "
+        "of the last evaluation at or before the end of DDP's training.")
+    one = wall_ratios(walls)
+    lines += [""]
+    if one:
+        lines += para(f"On one machine (`{walls['command']}`, {walls['date']}): each method's training-loop wall "
+                      "as a multiple of DDP's, seed by seed: "
+                      + "; ".join(f"`{w}` " + ", ".join(f"{m} {ratios(v)}" for m, v in one[w].items() if m != "ddp")
+                                  for w in one) + ".")
+    else:
+        lines += para("On one machine: not measured on an idle machine yet; `benchmarks/wall_vs_ddp.py` "
+                      "measures it and its JSON, copied to `docs/results/wall-vs-ddp/wall_vs_ddp.json`, "
+                      "fills this paragraph and the README's table.")
+    for n in nets:
+        d = n.data
+        folder = n.folder.relative_to("docs").as_posix()
+        name = "perplexity" if n.perplexity else "accuracy"
+        lines += ["", f"### `{n.workload}` at {n.mbit}, {d['steps_factor']:g}× DDP's steps", ""]
+        derivation = d.get("rate_derivation")
+        how = (f" The rate is the one at which DDP's run is {derivation['link_share']:.0%} link time: DDP's "
+               f"{derivation['ddp_global_wire_bytes'] / 1e6:.1f} MB of global wire bytes per worker over "
+               f"`none`'s {derivation['none_wall']:.1f} s of training × {derivation['link_share']:.2f} / "
+               f"{1 - derivation['link_share']:.2f}." if derivation else "")
+        lines += para(f"{d['description']}; each group of workers in a node of its own, the nodes joined by "
+                      f"{n.mbit} links (`abtrain bench --net`); an evaluation every {d['eval_every']} steps, every "
+                      f"method.{how}")
+        for seed in n.seeds:
+            s = d["seeds"][seed]
+            lines += [""] + para(
+                f"Seed {seed}: DDP's final {name} {n.show(s['ddp_target'])} after {s['ddp_seconds']:.1f} s of "
+                f"training; DDP's link share {s.get('ddp_link_share_measured', 0):.1%} measured "
+                f"({s.get('ddp_link_share_predicted', 0):.1%} predicted from the ledger's bytes and `none`'s time).")
+            lines += ["", f"| method | steps | {name} | global wire | wall | to DDP's {name} | ÷ DDP's time | "
+                          f"at DDP's time | evaluations | tx ÷ ledger |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for r in s["rows"]:
+                to = "not reached" if r["to_ddp"] is None else f"{r['to_ddp']:.1f} s ({r['to_ddp_previous']:.1f} s)"
+                ratio = "–" if r["to_ddp_ratio"] is None else f"{r['to_ddp_ratio']:.2f}"
+                tx = "–" if r.get("tx_vs_ledger") is None else f"{r['tx_vs_ledger']:.3f}"
+                lines.append(f"| `{r['method']}` | {r['steps']} | {n.show(r['metric'])} | "
+                             f"{r['global_wire_bytes'] / 1e6:.1f} MB | {r['wall_seconds']:.1f} s | {to} | {ratio} | "
+                             f"{n.show(r['at_ddp_time'])} | {r['evaluations']} ({r['eval_seconds']:.0f} s) | {tx} |")
+        lines += [""] + para("The command (as root: it builds network namespaces; a seed whose report exists is "
+                             "reused):") + ["", "```bash", f"sudo .venv/bin/python {d['command']}", "```", ""]
+        lines += para(f"Stored in [`docs/{folder}/`]({folder}/): `comm_bound.json` (this section's source), "
+                      "`table.md` (what the command printed) and each seed's bench report (`sS/report.md`, "
+                      "`report.json`, the plots).")
+    return lines + [""]
 
 
 def expected(root: Path = ROOT) -> dict[Path, str]:
     """What the two files should hold, by path relative to root."""
-    reports = load_reports(root)
-    return {PAGE: results_page(reports), README: with_readme_table((root / README).read_text(), readme_table(reports))}
+    reports, nets, walls = load_reports(root), load_slow_nets(root), load_walls(root)
+    readme = with_readme_table((root / README).read_text(), readme_table(reports))
+    readme = with_readme_table(readme, time_table(nets, walls), TIME_BEGIN, TIME_END)
+    return {PAGE: results_page(reports, time_section(nets, walls)), README: readme}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.readme_table:
         print(readme_table(load_reports(args.root)), end="")
+        print(time_table(load_slow_nets(args.root), load_walls(args.root)), end="")
         return 0
     stale = []
     for rel, text in expected(args.root).items():
@@ -317,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {rel}")
     if stale:
-        print(f"out of date with docs/results/{PREFIX}*/ab_configs.json: {', '.join(stale)}; "
+        print(f"out of date with the stored reports under docs/results/: {', '.join(stale)}; "
               "run .venv/bin/python benchmarks/results_page.py", file=sys.stderr)
         return 1
     return 0

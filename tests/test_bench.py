@@ -16,6 +16,9 @@ from abtrain.sidebyside import netns
 from abtrain.sidebyside.alphabeta import (collective_seconds, comm_seconds_per_step, compute_per_step, epoch_seconds,
                                       group_size_of, row_group_size)
 from abtrain.sidebyside.report import pareto_front, time_to_reach
+from abtrain.sidebyside.timing import against_ddp, at_time, reach, training_seconds
+from abtrain.config import TrainConfig
+from abtrain.run.plan import lr_lambda
 from abtrain.sidebyside.workloads import get_workload
 from abtrain.cli import build_parser, main
 
@@ -73,6 +76,30 @@ def test_bench_end_to_end_with_a_failing_method(tmp_path):
         assert (out / png).read_bytes().startswith(PNG)
 
 
+def test_bench_steps_factor_gives_the_methods_that_compress_more_steps(tmp_path):
+    out = tmp_path / "bench"
+    p = subprocess.run(ABTRAIN + ["bench", "--workload", "tiny", "--methods", "none,ddp,localsgd", "--steps-factor",
+                                  "1.5", "--out", str(out)], capture_output=True, text=True, timeout=240, env=_env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    rows = {r["method"]: r for r in report["methods"]}
+    assert {m: r["steps"] for m, r in rows.items()} == {"none": 8, "ddp": 8, "localsgd": 12}
+    assert report["steps_factor"] == 1.5
+    for m in rows:
+        history = json.loads((out / "runs" / m / "results.json").read_text())["history"]
+        assert rows[m]["history"] == [{k: h.get(k) for k in rows[m]["history"][0]} for h in history]
+        # Each evaluation's own seconds, and the wall between two evaluations holds the first one's.
+        assert all(h["eval_seconds"] > 0 for h in history)
+        assert all(b["wall_seconds"] - a["wall_seconds"] >= a["eval_seconds"] for a, b in zip(history, history[1:]))
+    timing = report["time_to_ddp"]
+    assert timing["target"] == rows["ddp"]["test_accuracy"] and set(timing["methods"]) == set(rows)
+    assert timing["ddp_seconds"] == pytest.approx(training_seconds(rows["ddp"]["history"])[-1])
+    assert timing["methods"]["ddp"]["to_ddp_ratio"] <= 1.0 and timing["methods"]["localsgd"]["steps"] == 12
+    md = (out / "report.md").read_text()
+    assert "8 steps for DDP and `none` and 1.5× as many (12) for the others" in md
+    assert "## Time to DDP's accuracy (on this machine)" in md and "| localsgd | 12 |" in md
+
+
 @pytest.mark.parametrize("args,message", [
     (["--methods", "ddp,gossip"], "unknown method 'gossip'"),
     (["--method-args", "ab:--ab-rank 2"], "not in --methods"),
@@ -98,7 +125,7 @@ def test_existing_report_is_not_overwritten(tmp_path, capsys):
 
 
 BENCH_FLAGS = {"--workload", "--methods", "--quick", "--out", "--extra", "--method-args", "--net", "--intra-bw",
-               "--inter-bw", "--intra-latency", "--inter-latency", "--node-size"}
+               "--inter-bw", "--intra-latency", "--inter-latency", "--node-size", "--steps-factor"}
 
 
 def test_bench_flag_surface_is_frozen():
@@ -134,6 +161,55 @@ def test_pareto_front_and_time_to_reach():
     assert time_to_reach(history, 0.9, "accuracy") == 2.0
     assert time_to_reach(history, 0.95, "accuracy") is None
     assert time_to_reach([{"test_perplexity": 8.0, "wall_seconds": 3.0}], 8.5, "perplexity") == 3.0
+
+
+def test_times_leave_out_the_evaluations_before_and_are_not_interpolated():
+    # Evaluations of 1 s each: the row at wall 12 s has had two before it, so 10 s of training.
+    history = [{"step": 5, "test_accuracy": 0.50, "wall_seconds": 4.0, "eval_seconds": 1.0},
+               {"step": 10, "test_accuracy": 0.80, "wall_seconds": 8.0, "eval_seconds": 1.0},
+               {"step": 15, "test_accuracy": 0.92, "wall_seconds": 12.0, "eval_seconds": 1.0}]
+    assert training_seconds(history) == [4.0, 7.0, 10.0]
+    assert reach(history, 0.9, "accuracy") == {"step": 15, "seconds": 10.0, "previous_seconds": 7.0, "value": 0.92}
+    assert reach(history, 0.3, "accuracy")["previous_seconds"] == 0.0 and reach(history, 0.95, "accuracy") is None
+    assert time_to_reach(history, 0.8, "accuracy") == 7.0  # the report's column: the same clock
+    assert at_time(history, 9.99, "accuracy")["value"] == 0.80 and at_time(history, 3.0, "accuracy") is None
+    ddp = [{"step": 10, "test_accuracy": 0.85, "wall_seconds": 5.0, "eval_seconds": 2.0},
+           {"step": 20, "test_accuracy": 0.90, "wall_seconds": 12.0, "eval_seconds": 2.0}]  # 10 s of training
+    out = against_ddp({"ddp": {"history": ddp, "steps": 20}, "ab": {"history": history, "steps": 15}}, "accuracy")
+    assert (out["target"], out["ddp_seconds"]) == (0.90, 10.0)
+    assert out["methods"]["ddp"]["to_ddp_ratio"] == 1.0 and out["methods"]["ddp"]["eval_seconds"] == 4.0
+    ab = out["methods"]["ab"]
+    assert (ab["to_ddp_seconds"], ab["to_ddp_ratio"], ab["at_ddp_time"], ab["at_ddp_time_step"]) == (10.0, 1.0, 0.92, 15)
+    assert against_ddp({"ab": {"history": history}}, "accuracy") is None
+    ppl = [{"test_perplexity": 9.0, "wall_seconds": 1.0}, {"test_perplexity": 7.0, "wall_seconds": 2.0}]
+    assert reach(ppl, 8.0, "perplexity")["seconds"] == 2.0  # a history without eval_seconds: the wall itself
+
+
+def test_a_longer_run_follows_the_same_learning_rate_curve():
+    """--steps-factor stretches a run: with the warm-up a share of the run, step k of T steps and step F*k of
+    F*T steps get the same learning rate (to the rounding of the warm-up to whole steps)."""
+    for warm in (0.0, 0.05):
+        cfg = TrainConfig(warmup_lr_fraction=warm)
+        short, long = lr_lambda(cfg, 2000), lr_lambda(cfg, 3000)
+        for k in range(0, 2000, 50):
+            assert long(round(1.5 * k)) == pytest.approx(short(k), abs=0.02), (warm, k)
+    w = get_workload("shakespeare-gpt")
+    assert "--warmup-lr-steps" not in w.train_args  # a warm-up in steps would not stretch
+    args = w.args_for("ab", 1.5)
+    assert args[len(args) - 2:] == ["--steps", "3000"] and w.args_for("ab") == w.args_for("ab", 1.0)
+    assert get_workload("fashion-cnn").args_for("ddp", 1.5)[-2:] == ["--steps", "1053"]  # --steps wins over --epochs
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"steps_factor": 0.5}, "--steps-factor must be between 1 and 100"),
+    ({"steps_factor": float("nan")}, "--steps-factor must be between 1 and 100"),
+    ({"steps_factor": 1.5, "extra": "--steps 20"}, "drop --steps"),
+    ({"steps_factor": 1.5, "method_args": {"ab": "--warmup-lr-steps=3"}}, "drop --warmup-lr-steps"),
+])
+def test_steps_factor_refuses_what_would_undo_it(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(workload="tiny", methods=["ddp", "ab"], **kwargs)
+    assert BenchConfig(workload="tiny", methods=["ddp"], extra="--steps 20").steps_factor == 1.0
 
 
 def test_compute_per_step_is_each_runs_own_with_none_as_the_floor():
@@ -577,7 +653,10 @@ def test_comm_bound_summary_of_a_stored_report():
     runs = {m["method"]: m for m in report["methods"]}
     assert s["common_target"] == min(m["metric"] for name, m in runs.items() if name != "none")
     ddp, none = runs["ddp"], runs["none"]
-    assert s["ddp_link_share_measured"] == pytest.approx((ddp["wall_seconds"] - none["wall_seconds"]) / ddp["wall_seconds"])
+    ddp_t, none_t = ddp["history"][-1]["wall_seconds"], none["history"][-1]["wall_seconds"]  # no eval_seconds yet
+    assert s["ddp_link_share_measured"] == pytest.approx((ddp_t - none_t) / ddp_t)
+    assert s["ddp_link_share_predicted"] == pytest.approx(s["ddp_link_seconds_predicted"]
+                                                          / (s["ddp_link_seconds_predicted"] + none_t))
     assert s["ddp_link_seconds_predicted"] == pytest.approx(ddp["global_wire_bytes"] * 8 / 20e6)
     rows = {r["method"]: r for r in s["rows"]}
     assert rows["ddp"]["to_ddp_ratio"] == 1.0 and rows["ab"]["to_ddp"] is None  # AB ends below DDP's final accuracy

@@ -45,7 +45,8 @@ def _cfg(fashion_dir, method, **kw):
 
 def _final(trainer):
     return {"state": {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)},
-            "history": [{k: v for k, v in row.items() if k != "wall_seconds"} for row in trainer.history],
+            "history": [{k: v for k, v in row.items() if k not in ("wall_seconds", "eval_seconds")}  # not timings
+                        for row in trainer.history],
             "ledger": [[key, {k: v for k, v in row.items() if k != "seconds"}]  # bytes and calls, not timings
                        for key, row in trainer.ledger.state_dict()["rows"]],
             "step": trainer.step,

@@ -254,7 +254,8 @@ def _world(fashion_dir, root):
                               os.path.join(root, f"{name}-{label}"), resume=resume)
             trainer.run()
             states.append({"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-                           "history": [{k: v for k, v in r.items() if k != "wall_seconds"} for r in trainer.history],
+                           "history": [{k: v for k, v in r.items() if k not in ("wall_seconds", "eval_seconds")}
+                                       for r in trainer.history],
                            "ledger": trainer.ledger.summary()["wire_bytes"], "step": trainer.step})
         out[f"resume-{name}"] = {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
     topo.close()

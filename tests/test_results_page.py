@@ -25,7 +25,7 @@ def test_results_page_matches_the_stored_reports():
     reports = rp.load_reports(ROOT)
     assert [r.workload for r in reports][:2] == ["fashion-cnn", "fashion-wide"]
     text = (ROOT / "docs" / "results.md").read_text()
-    assert text == rp.results_page(reports), "docs/results.md is stale: run .venv/bin/python benchmarks/results_page.py"
+    assert text == rp.expected(ROOT)[rp.PAGE], "docs/results.md is stale: run .venv/bin/python benchmarks/results_page.py"
 
 
 def test_readme_table_matches_the_stored_reports():
@@ -33,6 +33,9 @@ def test_readme_table_matches_the_stored_reports():
     table = rp.readme_table(rp.load_reports(ROOT))
     assert readme == rp.with_readme_table(readme, table), \
         "the README's table between the results markers is stale: run .venv/bin/python benchmarks/results_page.py"
+    time = rp.time_table(rp.load_slow_nets(ROOT), rp.load_walls(ROOT))
+    assert readme == rp.with_readme_table(readme, time, rp.TIME_BEGIN, rp.TIME_END), \
+        "the README's table between the time markers is stale: run .venv/bin/python benchmarks/results_page.py"
 
 
 def test_figures_come_from_the_json():
@@ -72,8 +75,9 @@ def _fake_gpt(folder: Path, seeds: tuple[int, ...] = (0, 1)) -> None:
 
 def _copy_tree(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    for report in (ROOT / "docs" / "results").glob("peers-full-*"):
-        shutil.copytree(report, root / "docs" / "results" / report.name)
+    for pattern in ("peers-full-*", "comm-bound-steps*-*", "wall-vs-ddp"):
+        for report in (ROOT / "docs" / "results").glob(pattern):
+            shutil.copytree(report, root / "docs" / "results" / report.name)
     shutil.copy(ROOT / "README.md", root / "README.md")
     shutil.copy(ROOT / "docs" / "results.md", root / "docs" / "results.md")
     return root
@@ -133,3 +137,60 @@ def test_a_spread_of_bytes_below_the_tables_precision_is_shown_in_kilobytes():
     assert rp.megabytes([746914965.0, 0.0]) == "746.9 MB"
     assert rp.megabytes([746914965.0, 810.0]) == "746.9 MB ± 0.8 kB"
     assert rp.megabytes([746914965.0, 2.5e6]) == "746.9 MB ± 2.5"
+
+
+def _fake_slow_net(folder: Path) -> None:
+    """A comm_bound.json shaped like benchmarks/comm_bound.py's: two seeds, AB reaching DDP's accuracy on one."""
+    def row(method, steps, metric, to, ratio, at):
+        return {"method": method, "steps": steps, "metric": metric, "global_wire_bytes": 40e6, "wall_seconds": 300.0,
+                "training_seconds": 290.0, "eval_seconds": 10.0, "evaluations": 18, "to_ddp": to,
+                "to_ddp_previous": None if to is None else to - 20.0, "to_ddp_step": None, "to_ddp_ratio": ratio,
+                "at_ddp_time": at, "at_ddp_time_step": 1053, "to_common": 100.0, "to_common_ratio": 0.2,
+                "tx_vs_ledger": 1.04, "payload_vs_expected": 1.01}
+
+    def seed(ab_to, ab_ratio):
+        return {"metric": "accuracy", "rate_bytes_per_s": 2.5e6, "steps_factor": 1.5, "ddp_target": 0.92,
+                "ddp_seconds": 900.0, "common_target": 0.90, "ddp_link_seconds_predicted": 720.0,
+                "ddp_link_share_measured": 0.845, "ddp_link_share_predicted": 0.833, "none_wall": 144.0,
+                "rows": [row("ddp", 702, 0.92, 900.0, 1.0, 0.92), row("ab", 1053, 0.921, ab_to, ab_ratio, 0.921),
+                         row("diloco", 1053, 0.905, None, None, 0.905)]}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "comm_bound.json").write_text(json.dumps({
+        "command": "benchmarks/comm_bound.py --steps-factor 1.5", "workload": "fashion-cnn",
+        "description": "cnn on Fashion-MNIST", "methods": "ddp,ab,diloco", "steps_factor": 1.5, "eval_every": 58,
+        "rate": "20mbit", "seeds": {"0": seed(270.0, 0.3), "1": seed(None, None)}}))
+
+
+def test_the_time_table_comes_from_the_stored_sweeps(tmp_path):
+    root = _copy_tree(tmp_path)
+    for old in (root / "docs" / "results").glob("comm-bound-steps*-*"):
+        shutil.rmtree(old)
+    shutil.rmtree(root / "docs" / "results" / "wall-vs-ddp", ignore_errors=True)
+    assert rp.time_table(rp.load_slow_nets(root), rp.load_walls(root)).startswith("No time measurements")
+    _fake_slow_net(root / "docs" / "results" / "comm-bound-steps15-fashion-cnn")
+    (root / "docs" / "results" / "wall-vs-ddp").mkdir(parents=True)
+    (root / "docs" / "results" / "wall-vs-ddp" / "wall_vs_ddp.json").write_text(json.dumps({
+        "command": "benchmarks/wall_vs_ddp.py", "date": "2026-12-07 10:00", "ab_flags": "", "rows": [
+            {"workload": "fashion-cnn", "seed": 0, "ddp": {"wall_seconds": 100.0}, "ab": {"wall_seconds": 110.0},
+             "ratio": 1.1},
+            {"workload": "fashion-cnn", "seed": 1, "ddp": {"wall_seconds": 100.0}, "ab": {"wall_seconds": 120.0},
+             "ratio": 1.2}]}))
+    nets, walls = rp.load_slow_nets(root), rp.load_walls(root)
+    table = rp.time_table(nets, walls)
+    head, _, *rows = table.splitlines()
+    assert head == ("| method | one machine `fashion-cnn`: wall ÷ DDP's | `fashion-cnn` at 20 Mbit/s: to DDP's accuracy "
+                    "÷ DDP's time | accuracy at DDP's time |")
+    by_method = {r.split(" | ")[0][2:]: r for r in rows if r.startswith("| `")}
+    assert by_method["`ab` (defaults)"] == "| `ab` (defaults) | 1.10× / 1.20× | 0.30× / not reached | 92.10 % / 92.10 % |"
+    assert by_method["`diloco`"] == "| `diloco` | – | not reached / not reached | 90.50 % / 90.50 % |"
+    assert by_method["`ddp`"].startswith("| `ddp` | 1.00× / 1.00× | 1.00× / 1.00× |")
+    assert "(DDP's run 84% / 84% link time)" in " ".join(table.split())
+    page = rp.results_page(rp.load_reports(root), rp.time_section(nets, walls))
+    assert "### `fashion-cnn` at 20 Mbit/s, 1.5× DDP's steps" in page
+    assert "| `ab` | 1053 | 92.10 % | 40.0 MB | 300.0 s | 270.0 s (250.0 s) | 0.30 |" in page
+    assert "sudo .venv/bin/python benchmarks/comm_bound.py --steps-factor 1.5" in page and "ab 1.10× / 1.20×" in page
+    run = [sys.executable, str(SCRIPT), "--root", str(root)]
+    assert subprocess.run([*run, "--check"], capture_output=True).returncode == 1  # the README and page are stale
+    assert subprocess.run(run, capture_output=True).returncode == 0
+    readme = (root / "README.md").read_text()
+    assert table in readme and readme.index("<!-- results:end -->") < readme.index("<!-- time:begin -->")

@@ -142,6 +142,10 @@ def _add_bench_parser(sub: Any) -> None:
                        help="run the workers through a real shaped network (Linux, root): each group of workers "
                             "in one network namespace (a node; layout=worker: one per worker) behind a shaped link, "
                             "e.g. rate=100mbit,delay=2ms,layout=node; reports measured interface bytes")
+    bench.add_argument("--steps-factor", type=float, default=1.0, metavar="F",
+                       help="every method but ddp and none runs F times the workload's steps, its learning-rate "
+                            "schedule stretched over them (default: 1); the report gives each method's time to "
+                            "DDP's final metric and its metric at DDP's time")
     model = bench.add_argument_group("projection", "the alpha-beta network model of the report's projection "
                                                    "to 8-256 workers (a model, not a measurement)")
     model.add_argument("--intra-bw", type=float, default=100.0, metavar="GB/S",
@@ -180,7 +184,7 @@ def bench_config_from_args(ns: argparse.Namespace) -> Any:
                          node_size=ns.node_size)
     return BenchConfig(workload=ns.workload, methods=[m.strip() for m in ns.methods.split(",") if m.strip()],
                        quick=ns.quick, out=ns.out, extra=ns.extra, method_args=parse_method_args(ns.method_args),
-                       net=ns.net, network_model=model)
+                       net=ns.net, network_model=model, steps_factor=ns.steps_factor)
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:

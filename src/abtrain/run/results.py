@@ -24,7 +24,7 @@ from .safefile import atomic_write
 log = logging.getLogger(__name__)
 
 HISTORY_COLUMNS = ("step", "epoch", "test_accuracy", "test_loss", "test_perplexity", "train_loss",
-                   "wire_bytes", "global_wire_bytes", "wall_seconds", "lr", "phase")
+                   "wire_bytes", "global_wire_bytes", "wall_seconds", "eval_seconds", "lr", "phase")
 
 
 def write_metrics_csv(path: str, history: list[dict[str, Any]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, field
 
@@ -9,6 +10,12 @@ from ..methods import METHODS
 from . import netns
 from .alphabeta import NetworkModel
 from .workloads import DEFAULT_METHODS, get_workload
+
+#: Methods that keep the workload's step budget under ``--steps-factor``: DDP's run sets the target and the time
+#: every other method is measured against, and ``none`` (no communication) is the compute floor of those steps.
+REFERENCE_METHODS = ("ddp", "none")
+#: Flags that would undo or escape the stretched budget: the step count itself, and a warm-up in steps.
+_BUDGET_FLAGS = ("--steps", "--epochs", "--warmup-lr-steps")
 
 
 @dataclass
@@ -23,6 +30,7 @@ class BenchConfig:
     method_args: dict[str, str] = field(default_factory=dict)
     net: str | None = None
     network_model: NetworkModel = field(default_factory=NetworkModel)
+    steps_factor: float = 1.0  # every method but REFERENCE_METHODS runs this many times the workload's steps
 
     def __post_init__(self) -> None:
         get_workload(self.workload, self.quick)  # raises for an unknown name
@@ -43,6 +51,20 @@ class BenchConfig:
                 raise ValueError(f"cannot split flags {text!r}: {exc}") from None
         if self.net is not None:
             self.net_spec  # validates
+        if not (math.isfinite(self.steps_factor) and 1 <= self.steps_factor <= 100):
+            raise ValueError(f"--steps-factor must be between 1 and 100 (1.5: the methods other than ddp and none "
+                             f"run 1.5 times as many steps), got {self.steps_factor:g}")
+        if self.steps_factor != 1:
+            for text in (self.extra, *self.method_args.values()):
+                given = [a.split("=", 1)[0] for a in shlex.split(text) if a.split("=", 1)[0] in _BUDGET_FLAGS]
+                if given:
+                    raise ValueError(f"--steps-factor sets each run's steps from the workload's; drop {given[0]} "
+                                     "from --extra/--method-args (a learning-rate warm-up: --warmup-lr-fraction, "
+                                     "which stretches with the run)")
+
+    def steps_factor_of(self, method: str) -> float:
+        """The multiple of the workload's steps that ``method`` runs: 1 for the references, else ``steps_factor``."""
+        return 1.0 if method in REFERENCE_METHODS else self.steps_factor
 
     @property
     def net_spec(self) -> netns.NetSpec | None:

@@ -151,9 +151,14 @@ def _owner_alive(ns: str) -> bool:
     return True
 
 
+def stale_namespaces() -> list[str]:
+    """The namespaces of our prefix whose bench process no longer runs (another bench's running ones are not)."""
+    return [ns for ns in our_namespaces() if not _owner_alive(ns)]
+
+
 def cleanup_stale() -> list[str]:
     """Delete the namespaces left by a bench process that no longer runs; returns their names."""
-    stale = [ns for ns in our_namespaces() if not _owner_alive(ns)]
+    stale = stale_namespaces()
     for ns in stale:
         subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
     return stale

@@ -21,6 +21,8 @@ from .linkbytes import link_check
 from .linkbytes import render as render_links
 from .plots import ordered_phases, write_plots
 from .alphabeta import compute_per_step, project, project_scaled, render_scaled
+from .timing import METRIC_KEYS, against_ddp, better_or_equal, reach
+from .timing import render as render_timing
 from .workloads import Workload
 
 
@@ -49,13 +51,9 @@ def metric_of(results: dict[str, Any], metric: str) -> float | None:
     return results["final"].get("test_perplexity" if metric == "perplexity" else "test_accuracy")
 
 
-def better_or_equal(a: float, b: float, metric: str) -> bool:
-    return a <= b if metric == "perplexity" else a >= b
-
-
 def first_reaching(history: list[dict[str, Any]], target: float, metric: str) -> dict[str, Any] | None:
     """The first evaluation row at least as good as ``target``; None when never reached."""
-    key = "test_perplexity" if metric == "perplexity" else "test_accuracy"
+    key = METRIC_KEYS[metric]
     for row in history:
         value = row.get(key)
         if value is not None and better_or_equal(value, target, metric):
@@ -64,9 +62,10 @@ def first_reaching(history: list[dict[str, Any]], target: float, metric: str) ->
 
 
 def time_to_reach(history: list[dict[str, Any]], target: float, metric: str) -> float | None:
-    """wall_seconds of the first evaluation at least as good as ``target``; None when never reached."""
-    row = first_reaching(history, target, metric)
-    return None if row is None else float(row["wall_seconds"])
+    """Training seconds (wall less earlier evaluations, :mod:`.timing`) of the first evaluation at least as good
+    as ``target``; None when never reached."""
+    got = reach(history, target, metric)
+    return None if got is None else float(got["seconds"])
 
 
 def pareto_front(points: dict[str, tuple[float, float]], metric: str) -> set[str]:
@@ -146,7 +145,8 @@ def build_report(workload: Workload, cfg: BenchConfig, outcomes: list[Outcome], 
                 "by_scope_phase": _by_scope_phase(comm["rows"]),
                 "pareto": o.method in front,
                 "history": [{k: h.get(k) for k in ("step", "test_accuracy", "test_perplexity", "wire_bytes",
-                                                   "global_wire_bytes", "wall_seconds")} for h in r["history"]],
+                                                   "global_wire_bytes", "wall_seconds", "eval_seconds")}
+                            for h in r["history"]],
             })
             if o.measured is not None:
                 check = link_check(r, o.measured)
@@ -176,6 +176,9 @@ def build_report(workload: Workload, cfg: BenchConfig, outcomes: list[Outcome], 
         "torch_version": torch.__version__,
         "interrupted": interrupted,
         "ddp_target": target,
+        "steps_factor": cfg.steps_factor,
+        "time_to_ddp": against_ddp({m: {"history": r["history"], "steps": r["steps"]} for m, r in done.items()},
+                                   metric),
         "pareto_front": sorted(front),
         "methods": rows,
         "projection": projection,
@@ -210,9 +213,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     ppl = w["metric"] == "perplexity"
     metric_name = "test perplexity" if ppl else "test accuracy"
     lines = [f"# abtrain bench: {w['name']}{' (quick)' if w['quick'] else ''}", "",
-             f"{w['description']}. Every method runs with the same data order, seed, workers, groups and step "
-             f"budget ({w['steps']} steps), each as its own `abtrain train` run. Bytes are per worker, as counted "
-             f"by the ledger (modelled wire bytes). `global` is traffic between groups of workers.", "",
+             f"{w['description']}. Every method runs with the same data order, seed, workers and groups, "
+             f"{_budget(w['steps'], report.get('steps_factor', 1.0))}, each as its own `abtrain train` "
+             "run. Bytes are per worker, as counted by the ledger (modelled wire bytes). `global` is traffic "
+             "between groups of workers.", "",
              f"- shared flags: `{' '.join(shlex.quote(a) for a in w['train_args'])}`"]
     for m, args in w["method_args"].items():
         lines.append(f"- `{m}` adds: `{' '.join(args)}`")
@@ -257,10 +261,13 @@ def render_markdown(report: dict[str, Any]) -> str:
               "after a step (parameters, gradients, optimizer and method state), as a multiple of DDP's for the same "
               "model. \"× none\": wall time relative to `none`, "
               "where every worker trains alone (the compute floor; it evaluates each worker's own model). "
-              "\"time to DDP's …\": wall seconds at the first evaluation as good as DDP's final value."]
+              "\"time to DDP's …\": training seconds (wall less the evaluations before) at the first evaluation as "
+              "good as DDP's final value."]
     for r in failed:
         lines += ["", f"**{r['method']} {r['status']}**: {r['error']}  ", f"run directory: `{r['run_dir']}`"]
     done = [r for r in report["methods"] if r["status"] == "complete"]
+    where = f"through `--net {report['net']['spec']}`" if report["net"] else "on this machine"
+    lines += render_timing(report.get("time_to_ddp"), w["metric"], report.get("steps_factor", 1.0), where)
     lines += _time_to_targets(done, report)
     lines += render_links([r for r in done if r.get("measured")])
     if done:
@@ -307,14 +314,22 @@ def _time_to_targets(done: list[dict[str, Any]], report: dict[str, Any]) -> list
     where = f"through `--net {report['net']['spec']}`" if report["net"] else "on this machine"
     name = "perplexity" if ppl else "accuracy"
     head = [_fmt(t, ".2f") if ppl else _fmt(t * 100, ".2f", " %") for t in targets]
-    lines = ["", f"## Time to {name} ({where})", "",
-             f"Wall seconds until the first evaluation at least as good as each target (the final {name} of some "
-             f"method), \"–\" when never reached.", "",
+    lines = ["", f"## Time to every method's {name} ({where})", "",
+             f"Training seconds (wall less the evaluations before) until the first evaluation at least as good as "
+             f"each target (the final {name} of some method), \"–\" when never reached.", "",
              "| method | " + " | ".join(head) + " |", "|---|" + "---:|" * len(targets)]
     for r in done:
         lines.append(f"| {r['method']} | " + " | ".join(
             _fmt(time_to_reach(r["history"], t, report["workload"]["metric"]), ".1f", " s") for t in targets) + " |")
     return lines
+
+
+def _budget(steps: int, factor: float) -> str:
+    """The step budget as report.md states it."""
+    if factor == 1:
+        return f"the same step budget ({steps} steps)"
+    return (f"{steps} steps for DDP and `none` and {factor:g}× as many ({max(1, round(factor * steps))}) for the "
+            "others, their learning-rate schedules stretched over them")
 
 
 def write_report(report: dict[str, Any], out: str) -> None:

@@ -93,7 +93,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     outcomes = []
     for method in cfg.methods:
-        args = [*workload.args_for(method), *shlex.split(cfg.extra), *shlex.split(cfg.method_args.get(method, ""))]
+        args = [*workload.args_for(method, cfg.steps_factor_of(method)), *shlex.split(cfg.extra),
+                *shlex.split(cfg.method_args.get(method, ""))]
         run_dir = os.path.join(out, "runs", method)
         outcomes.append(Outcome(method, [sys.executable, "-m", "abtrain.cli", "train", *args, "--out", run_dir],
                                 run_dir))

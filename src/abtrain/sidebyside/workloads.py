@@ -4,6 +4,10 @@ A workload fixes what a fair comparison must hold equal across methods: model,
 data, seed, number of workers, ``--group-size`` (so that the scopes ``group``
 and ``global`` mean the same thing for every method) and the step budget. Each
 method may add its own flags (the tiny workload takes each method's ``short_run_args``).
+
+A workload's learning-rate schedule, warm-up included, is given as shares of the run (``--warmup-lr-fraction``,
+the cosine over all steps), so that a run given more steps (``abtrain bench --steps-factor``) follows the same
+curve over them.
 """
 
 from __future__ import annotations
@@ -38,10 +42,16 @@ class Workload:
         if self.steps < 1:
             raise ValueError(f"workload {self.name}: the step budget must be positive, got {self.steps}")
 
-    def args_for(self, method: str) -> list[str]:
-        """The full ``abtrain train`` flags of ``method`` on this workload (without --out)."""
+    def args_for(self, method: str, steps_factor: float = 1.0) -> list[str]:
+        """The full ``abtrain train`` flags of ``method`` on this workload (without --out), with ``steps_factor``
+        times the step budget (``--steps``, which overrides ``--epochs``; the schedule is shares of the run)."""
         own = registry.get(method).bench_args if method in registry.names() else ()
-        return [*self.train_args, "--method", method, *own, *self.method_args.get(method, [])]
+        longer = ["--steps", str(self.stretched_steps(steps_factor))] if steps_factor != 1 else []
+        return [*self.train_args, "--method", method, *own, *self.method_args.get(method, []), *longer]
+
+    def stretched_steps(self, steps_factor: float) -> int:
+        """The step budget times ``steps_factor``, rounded to a whole step (at least one)."""
+        return max(1, round(steps_factor * self.steps))
 
 
 #: The authors' recipe (AdamW, weight decay 0.1, label smoothing 0.1, gradient clipping 1.0), for every method.
@@ -88,7 +98,7 @@ def shakespeare_gpt(quick: bool = False) -> Workload:
     batch = 32 if quick else 64
     args = ["--model", "gpt", "--dataset", "shakespeare", "--workers", str(workers), "--group-size", str(group),
             "--steps", str(steps), "--batch-size", str(batch), "--optimizer", "adamw", "--lr", "3e-3",
-            "--weight-decay", "0.1", "--warmup-lr-steps", str(max(1, steps // 20)),
+            "--weight-decay", "0.1", "--warmup-lr-fraction", "0.05",
             "--eval-every", str(steps // (5 if quick else 10)), "--seed", "0"]
     if quick:
         args += ["--limit-test", "512"]
