@@ -262,7 +262,8 @@ FLAGS = {
     "--powersgd-seed", "--powersgd-dtype", "--ef21-fraction", "--ef21-warmup-steps", "--onebit-warmup-steps", "--onebit-chunk-size",
     "--hlocalsgd-h", "--streaming-diloco-h", "--streaming-diloco-fragments", "--streaming-diloco-overlap",
     "--streaming-diloco-alpha", "--streaming-diloco-outer-lr", "--streaming-diloco-outer-momentum",
-    "--streaming-diloco-quantize", "--streaming-diloco-block", "--demo-topk", "--demo-chunk", "--demo-decay",
+    "--streaming-diloco-quantize", "--streaming-diloco-block", "--streaming-diloco-pattern",
+    "--streaming-diloco-fragment-groups", "--demo-topk", "--demo-chunk", "--demo-decay", "--demo-momentum-rule",
 }
 
 
