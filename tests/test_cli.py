@@ -243,7 +243,7 @@ def test_example_runs_under_torchrun():
 FLAGS = {
     "--config", "--method", "--workers", "--model", "--dataset", "--data-dir", "--epochs", "--steps", "--batch-size",
     "--lr", "--optimizer", "--momentum", "--weight-decay", "--weight-decay-all", "--no-weight-decay-all",
-    "--lr-schedule", "--warmup-lr-steps", "--warmup-lr-fraction", "--label-smoothing",
+    "--lr-schedule", "--warmup-lr-steps", "--warmup-lr-fraction", "--min-lr", "--precision", "--label-smoothing",
     "--grad-clip", "--seed", "--out", "--eval-every", "--log-every", "--group-size", "--backend", "--device",
     "--threads", "--bucket-cap-mb", "--block-size", "--limit-train", "--limit-test", "--timeout", "--ledger",
     "--no-ledger", "--checkpoint-every", "--stop-after", "--max-restarts", "--resume",
