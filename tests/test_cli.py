@@ -250,7 +250,7 @@ FLAGS = {
     "--ab-warmup-steps", "--ab-cycle-steps", "--ab-min-cycle-steps", "--ab-rebound-steps", "--ab-tau", "--ab-rank", "--ab-rank-fraction",
     "--ab-sync",
     "--ab-lr-rebound-steps", "--ab-lr-floor", "--ab-split",
-    "--ab-optimizer-state", "--ab-init", "--ab-full-rank",
+    "--ab-optimizer-state", "--ab-init", "--ab-init-scope", "--ab-orientation", "--ab-only-b-sync", "--ab-full-rank",
     "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank",
     "--ab-powersgd-dtype",
