@@ -28,9 +28,10 @@ DEFAULT_TAU = 0.05  # the rank rule when none is given; why this value: docs/ab-
 #: The method as its authors' code runs it, where abtrain's defaults differ (those were measured to send fewer
 #: bytes between nodes: docs/notebook/): fp32 full-rank phases and sync, with-stale, the sqrt split,
 #: tau 0.15 at every truncation whatever the factors' size, no rank floor, no averaged optimizer moments,
-#: ortho-sigma initialisation. ``ABConfig(**PAPER)``, ``abtrain.setup("ab", **PAPER)``, or ``abtrain train
-#: --config examples/ab-paper.toml`` (the training recipe stays the user's; examples/ab-resnet50.toml,
-#: ab-vgg16.toml and ab-vit.toml add the authors' recipe of each published setting).
+#: ortho-sigma initialisation of the factorised weights. ``ABConfig(**PAPER)``, ``abtrain.setup("ab", **PAPER)``,
+#: or ``abtrain train --config examples/ab-paper.toml`` (the training recipe stays the user's; examples/
+#: ab-resnet50.toml, ab-vgg16.toml and ab-vit.toml add the authors' recipe of each published setting, and their
+#: code's tall turn of wide matrices and ortho-sigma on every matrix: orientation="tall", init_scope="all").
 PAPER: dict[str, Any] = {
     "warmup_fraction": 0.25, "cycle_fraction": 0.06, "rebound_fraction": 0.1, "lr_rebound_fraction": 0.3,
     "tau": 0.15, "sync": "with-stale", "split": "sqrt", "dense_comm": "fp32", "powersgd_rank": 4,
