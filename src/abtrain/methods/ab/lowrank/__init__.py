@@ -3,7 +3,8 @@
 Every factorisable weight W (shape S) is viewed as the matrix m×n with
 m = S[0] and n = prod(S[1:]) (a conv kernel (C_out, C_in/groups, kh, kw) becomes
 (C_out, C_in/groups·kh·kw)), or, turned tall (``orientation="tall"``), as that
-matrix's transpose where it is wide (m < n); every part below works on that matrix. :func:`prepare_model` puts a :class:`LowRankWeight`
+matrix's transpose where it is wide (m < n); every part below works on the matrix
+the layer factorises. :func:`prepare_model` puts a :class:`LowRankWeight`
 parametrization (``torch.nn.utils.parametrize``) on each such weight, so the owning
 module -- ``nn.Linear``, any ``nn.Conv*``, ``nn.MultiheadAttention`` -- keeps calling
 ``self.weight`` and gets either W itself (mode ``"full"``) or W of the matrix ``A @ B``
