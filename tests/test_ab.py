@@ -176,6 +176,7 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
             sync_due["before"] = {fp.name: (fp.A.detach().clone(), fp.B.detach().clone())
                                   for fp in method.records if fp.mode == "lowrank"}
             sync_due["before_other"] = _snapshot(method, model)["other"]  # parameters kept full rank
+            sync_due["before_buffers"] = _snapshot(method, model)["buffers"]
             sync_due["moments"] = _moments(method, opt)
 
     opt.register_step_post_hook(before_the_method)
@@ -284,6 +285,13 @@ CONFIGS = {  # name: (AB options, optimizer, steps, plan the run's length)
               False),
     "only-b-world": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_groups": "world"}, "sgd", T_W + K, False),
     "only-b": ({"rank_fraction": 0.25, "sync": "only-b"}, "sgd", 2 * K, False),
+    # the authors' VGG16 sync: B averaged, all else from rank 0; body (40 x 48) turned tall, as their code turns it
+    "only-b-rank0": ({"rank_fraction": 0.25, "sync": "only-b", "only_b_sync": "rank0", "orientation": "tall",
+                      "sync_moments": False}, "sgd", 2 * K, False),
+    # the defaults' tangent merge with a rank-3 change and updated SVDs, body turned tall
+    "tall": ({"rank_fraction": 0.75, "sync": "only-learned", "split": "tangent", "rebound_steps": 0,
+              "sync_payload": "lowrank", "sync_rank": 3, "optimizer_state": "map", "svd": "update",
+              "orientation": "tall"}, "sgd", 3 * K, False),
 }
 
 
@@ -619,6 +627,12 @@ def test_lowrank_sync_in_bfloat16_leaves_one_model_and_keeps_the_rounding_for_la
     _check_lowrank_syncs(runs["tangent-lowrank-bf16"], q=3, element_bytes=2, projected=False)
 
 
+def _matrix(w, shape):
+    """W as the factorised matrix of ``shape``: its (S[0], rest) view, or that view's transpose (turned tall)."""
+    rows = w.reshape(w.shape[0], -1)
+    return rows if rows.shape == shape else rows.T
+
+
 def _check_lowrank_syncs(outs, q, element_bytes, projected):
     """Three lowrank syncs: one model on every worker after each, rank ≤ q added to W, the workers' memories
     averaging to what the sync left out of the summed change plus the memories before it, and the sync's bytes
@@ -631,7 +645,7 @@ def _check_lowrank_syncs(outs, q, element_bytes, projected):
         for i in range(3):
             w_start, shares = _tangent_changes(outs, name, i)
             total = sum(shares) + left
-            added = o["syncs"][i]["after"]["W"][name].reshape(w_start.shape) - w_start
+            added = _matrix(o["syncs"][i]["after"]["W"][name], w_start.shape) - w_start
             assert torch.linalg.matrix_rank(added, atol=1e-5) <= q
             basis = torch.linalg.svd(added, full_matrices=False)[0][:, :q]  # the q directions it chose
             projection = basis @ (basis.T @ total)
@@ -771,6 +785,48 @@ def test_only_b_in_groups_trains_b_inside_groups_and_averages_it_at_sync(runs):
         ref = _tensors(sync[0]["after"])
         for k, v in _tensors(s["after"]).items():
             assert torch.equal(v, ref[k]), k
+
+
+def test_only_b_with_rank0_averages_b_and_takes_all_else_from_rank_0(runs):
+    """--ab-only-b-sync rank0, the authors' only-b sync in groups: B averaged over every worker, W = A·B̄ (body's
+    matrix turned tall); the parameters trained full rank (the norm, the kept stem and head, the biases), which
+    the groups trained apart, and the buffers take rank 0's copy, not their mean; every worker leaves with one
+    model; the sync sends B in an all-reduce and the rest in a broadcast."""
+    outs = runs["only-b-rank0"]
+    o = outs[0]
+    assert ("body.weight", 48, 40) in o["records"]
+    sync = [w["syncs"][0] for w in outs]
+    assert not torch.equal(sync[0]["before_other"]["stem.weight"], sync[2]["before_other"]["stem.weight"])
+    for name in sync[0]["before"]:
+        mean_b = torch.stack([s["before"][name][1] for s in sync]).double().mean(0)
+        w = sync[0]["before"][name][0].double() @ mean_b
+        for s in sync:
+            torch.testing.assert_close(_matrix(s["after"]["W"][name].double(), w.shape), w, rtol=1e-5, atol=1e-6)
+    for s in sync:
+        assert all(torch.equal(s["after"]["other"][k], v) for k, v in sync[0]["before_other"].items())
+        assert all(torch.equal(s["after"]["buffers"][k], v) for k, v in sync[0]["before_buffers"].items()
+                   if v.is_floating_point())
+        ref = _tensors(sync[0]["after"])  # the model; the moments stay each worker's (--no-ab-sync-moments)
+        assert all(torch.equal(v, ref[k]) for k, v in _tensors(s["after"]).items() if k[0] != "moments_full")
+    sent = {op: sum(r["payload_bytes"] for r in o["summary"]["rows"] if r["phase"] == "sync" and r["op"] == op)
+            for op in ("broadcast", "all_reduce")}
+    rest = sum(v.numel() for v in sync[0]["before_other"].values()) + o["float_buffers"]
+    assert sent["broadcast"] == 4 * rest * len(o["syncs"])
+    b_numbers = sum(s["before"][name][1].numel() for s in o["syncs"] for name in s["before"])
+    truncations = len([r for r in o["ranks_log"] if r["step"] != T_W])
+    assert sent["all_reduce"] == 4 * b_numbers + 8 * len(o["records"]) * truncations
+
+
+def test_a_run_turned_tall_merges_in_the_turned_matrix(runs):
+    """--ab-orientation tall with the defaults' sync: body's factors are A (48 x r) and B (r x 40) of Wᵀ; the
+    syncs add a rank-q change of that matrix, one model on every worker, with the SVDs updated from the parts."""
+    outs = runs["tall"]
+    o = outs[0]
+    assert [r for r in o["records"] if r[0] == "body.weight"] == [("body.weight", 48, 40)]
+    after = next(s["after"] for s in o["steps"] if s["t"] == 2 * K)
+    assert after["A"]["body.weight"].shape == (48, 30) and after["B"]["body.weight"].shape == (30, 40)
+    _check_lowrank_syncs(outs, q=3, element_bytes=4, projected=True)
+    assert o["results"]["svd_counts"] == {"full": 2, "updated": 6}
 
 
 def test_single_group_is_refused():

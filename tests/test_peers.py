@@ -20,7 +20,7 @@ from abtrain.compress.dct import ChunkedDCT, DCTTopKCodec, chunk_length, dct_mat
 from abtrain.config import TrainConfig
 from abtrain.methods import build_method
 from abtrain.methods.demo import DeMoConfig
-from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, fragments_of
+from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, equal_groups, fragments_of, parameter_layers
 from helpers import run_world
 
 
@@ -103,6 +103,43 @@ def test_demo_momentum_keeps_what_is_not_sent():
             assert set(u.unique().tolist()) <= {-1.0, 0.0, 1.0}
 
 
+def _demo_steps(rule, lrs):
+    """The parameters after each step of DeMo in one process with ``momentum_rule=rule`` and the learning rates
+    ``lrs`` (one per step), and the momentum at the end."""
+    method = build_method("demo", Communicator(), Topology(), topk=3, chunk=8, momentum_rule=rule)
+    model = _model()
+    forward = method.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lrs[0])
+    gen = torch.Generator().manual_seed(3)
+    snapshots = []
+    with method.attach(opt):
+        for lr in lrs:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(forward(x), y).backward()
+            opt.step()
+            snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    return snapshots, method.momentum.clone()
+
+
+def test_demo_momentum_rules_agree_at_a_constant_lr_and_differ_under_a_schedule():
+    """The reference code's m = beta m + lr g is lr times the paper's m = beta m + g while lr stays (a power of two
+    here, so that the scaling is exact): the same components, the same signs, the same steps. Under an lr that
+    changes every step the momentum weighs past gradients differently, and the steps part."""
+    lr = 2.0 ** -7
+    paper, m_paper = _demo_steps("paper", [lr] * 6)
+    reference, m_reference = _demo_steps("reference", [lr] * 6)
+    assert all(torch.equal(a, b) for a, b in zip(paper, reference))
+    assert torch.equal(m_reference, lr * m_paper)
+    decaying = [2.0 ** -(7 + k) for k in range(6)]
+    paper, _ = _demo_steps("paper", decaying)
+    reference, _ = _demo_steps("reference", decaying)
+    assert torch.equal(paper[0], reference[0])  # the first step: one gradient, whatever its scale
+    assert not torch.equal(paper[-1], reference[-1])
+
+
 def test_dct_topk_message_holds_what_the_extraction_keeps():
     """The message's entries are each chunk's top-k coefficients; decode is their inverse DCT."""
     shapes = [torch.Size([16, 24]), torch.Size([10])]
@@ -133,6 +170,9 @@ def test_e3m0_holds_powers_of_two_of_the_block_scale():
     assert message.dtype == torch.uint8 and message.numel() == codec.message_bytes(8) == 4 + 4
     assert message[4:].clone().view(torch.float32).tolist() == [1.0]  # the block's scale
     assert codec.decode(message).tolist() == [1.0, -0.5, 0.25, -2 ** -6, 0.0, 0.0, 0.5, -0.25]
+    # rounded to the nearest power of two in log2, not in value: 0.72 lies nearer 0.5 but above 2 ** -0.5
+    between = torch.tensor([1.0, 0.72, 0.74, 0.706, 0.36, 0.353, 0.0, 0.0])
+    assert codec.decode(codec.encode(between)).tolist() == [1.0, 1.0, 1.0, 0.5, 0.5, 0.25, 0.0, 0.0]
     y = torch.randn(512, generator=torch.Generator().manual_seed(3))
     codec = E3M0Codec(256)
     back = codec.decode(codec.encode(y))
@@ -142,10 +182,47 @@ def test_e3m0_holds_powers_of_two_of_the_block_scale():
     assert bool(((back[big] / y[big]).log2().abs() <= 0.5 + 1e-6).all())  # rounded in log2
 
 
-def test_fragments_are_strided_over_modules():
-    assert fragments_of(_model(), 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]  # modules 0, 2 | 1, 3
+def test_the_modules_pattern_deals_modules_out_in_turn():
+    assert fragments_of(_model(), 2, "modules") == [[0, 1, 4, 5], [2, 3, 6, 7]]  # modules 0, 2 | 1, 3
     with pytest.raises(ValueError, match="--streaming-diloco-fragments 5: the model has 4 modules"):
-        fragments_of(_model(), 5)
+        fragments_of(_model(), 5, "modules")
+
+
+def test_layers_take_the_norms_after_them():
+    # Linear(6,16) | Linear(16,10) + LayerNorm(10) | Linear(10,5); a leading norm joins the first layer
+    assert parameter_layers(_model()) == [[0, 1], [2, 3, 4, 5], [6, 7]]
+    leading = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 4), nn.LayerNorm(4))
+    assert parameter_layers(leading) == [[0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("sizes, count, expected", [
+    ([5] * 12, 4, [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]),
+    ([1, 1, 100, 1, 1, 1], 3, [[0, 1], [2], [3, 4, 5]]),  # the large item alone, the others share the rest
+    ([3, 9, 2, 7, 7, 1, 4], 5, [[0], [1], [2, 3], [4], [5, 6]]),
+    ([10, 1, 1, 1], 4, [[0], [1], [2], [3]]),  # no group left empty
+    ([4], 1, [[0]]),
+])
+def test_equal_groups_are_contiguous_non_empty_and_near_the_mean(sizes, count, expected):
+    groups = equal_groups(sizes, count)
+    assert [i for g in groups for i in g] == list(range(len(sizes))) and all(groups) and len(groups) == count
+    assert groups == expected
+    with pytest.raises(ValueError, match="non-empty groups"):
+        equal_groups(sizes, len(sizes) + 1)
+
+
+def test_the_strided_pattern_cuts_the_depth_into_equal_groups_dealt_out_in_turn():
+    # 12 equal blocks, 3 fragments, 2 groups each: groups of 2 blocks, fragment f holds groups f and f + 3
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
+    blocks = [[2 * b, 2 * b + 1] for b in range(12)]
+    assert fragments_of(model, 3) == [blocks[0] + blocks[1] + blocks[6] + blocks[7],
+                                      blocks[2] + blocks[3] + blocks[8] + blocks[9],
+                                      blocks[4] + blocks[5] + blocks[10] + blocks[11]]
+    # one group per fragment: the paper's sequential pattern
+    assert fragments_of(model, 3, per_fragment=1) == [sum(blocks[4 * f:4 * f + 4], []) for f in range(3)]
+    # a model of 3 layers has room for one group per fragment of 2: the first layer, then the other two
+    assert fragments_of(_model(), 2) == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="--streaming-diloco-fragments 4: the model has 3 layers"):
+        fragments_of(_model(), 4)
 
 
 # -- exact counts: a world of 4 simulated workers whose collectives meet in memory -------------------------------
@@ -184,7 +261,7 @@ def test_streaming_diloco_bytes_equal_the_formula(quantize):
     rows, method = _recorded(p, "streaming-diloco", steps, adam=True, h=h, fragments=2, overlap=1, quantize=quantize,
                              block=16)
     sizes = method.fragment_numels
-    assert method.offsets == [0, 2] and sizes == [6 * 16 + 16 + 10 + 10, 16 * 10 + 10 + 10 * 5 + 5]
+    assert method.offsets == [0, 2] and sizes == [6 * 16 + 16, 16 * 10 + 10 + 10 + 10 + 10 * 5 + 5]
     # Fragment 1 meets at steps 2, 6; fragment 0 at 4, 8; leaving attach() exchanges both at once (step 9).
     assert method.exchanges == [3, 3]
     sends = [sizes[1], sizes[0], sizes[1], sizes[0], sizes[0] + sizes[1]]

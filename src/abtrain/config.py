@@ -20,6 +20,7 @@ else:  # pragma: no cover
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -50,6 +51,8 @@ class TrainConfig:
     lr_schedule: str = opt("cosine", "learning-rate schedule over the run", choices=SCHEDULES)
     warmup_lr_steps: int = opt(0, "linear learning-rate warm-up steps at the start of the run")
     warmup_lr_fraction: float = opt(0.0, "linear learning-rate warm-up over this share of the run's steps, in [0, 1) (--warmup-lr-steps, when given, wins)")
+    min_lr: float | None = opt(None, "the learning rate the cosine ends at and the warm-up starts from, as timm's min_lr and warmup_lr: the warm-up's first step takes it and rises linearly to --lr, reached at the first step after the warm-up (default: the warm-up's first step takes lr/T, the cosine ends at 0)")
+    precision: str = opt("fp32", "the training forward pass and loss: fp32, or bf16 (torch.autocast to bfloat16 on the run's device, CPU or CUDA; weights, gradients, the optimizer and the wire stay as they are)", choices=PRECISIONS)
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
     grad_clip: float | None = opt(None, "clip the gradient norm to this value (off by default)")
     seed: int = opt(0, "random seed (model init, data order); the same on every worker")
@@ -94,6 +97,8 @@ class TrainConfig:
         for name in ("weight_decay", "warmup_lr_steps", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.min_lr is not None and not 0 <= self.min_lr < self.lr:
+            raise ValueError(f"--min-lr must be in [0, --lr) = [0, {self.lr:g}), got {self.min_lr:g}")
         if not 0 <= self.warmup_lr_fraction < 1:
             raise ValueError(f"--warmup-lr-fraction must be in [0, 1), got {self.warmup_lr_fraction}")
         if not 0 <= self.momentum < 1:

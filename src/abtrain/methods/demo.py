@@ -5,7 +5,8 @@ arXiv 2411.19870), Algorithm 1, with the choices of the authors' public
 optimizer (chunk 64, top-32 per chunk, decay 0.999, sign of the decoded
 average). Every step, on every worker, with ``g`` its own gradient::
 
-    m = beta * m + g                          the momentum stays local, never averaged
+    m = beta * m + g                          the momentum stays local, never averaged (the paper's rule;
+                                              the authors' code adds lr * g: ``momentum_rule="reference"``)
     c = DCT(m)                                per chunk (a 2-D block of each weight matrix)
     q = the k entries of c largest in |.| per chunk
     m = m - IDCT(q)                           what is sent leaves the momentum; the residual stays
@@ -41,6 +42,9 @@ from .gradient import GradientMethod
 from .registry import MethodSpec, register
 
 
+MOMENTUM_RULES = ("paper", "reference")
+
+
 @dataclass
 class DeMoConfig(Options):
     """Options of DeMo; the CLI exposes each as ``--demo-<name>``."""
@@ -49,6 +53,7 @@ class DeMoConfig(Options):
     topk: int = opt(32, "DCT components each worker sends per chunk (the authors' compression_topk)")
     chunk: int = opt(64, "chunk length per dimension: each dimension is cut into chunks of its largest divisor <= this (compression_chunk)")
     decay: float = opt(0.999, "decay beta of the local momentum m = beta * m + grad (compression_decay)")
+    momentum_rule: str = opt("paper", "what enters the momentum: paper (m = beta * m + grad, the paper's Algorithm 1) or reference (m = beta * m + lr * grad, the authors' optimizer; under a learning rate that changes every step the two step differently)", choices=MOMENTUM_RULES)
 
     def check(self) -> None:
         self.require("topk", self.topk >= 1, "a positive integer")
@@ -78,6 +83,7 @@ class DeMo(GradientMethod):
         super().__init__(comm, topo, warmup_steps=0)
         self.codec: DCTTopKCodec | None = None
         self.momentum = torch.zeros(0)  # m, flat, the parameters in model.parameters() order
+        self._lr_scale: torch.Tensor | float = 1.0  # momentum_rule="reference": the step's lr, by element
 
     def build(self, numel: int) -> None:
         device = self.topo.device
@@ -101,11 +107,20 @@ class DeMo(GradientMethod):
             raise ValueError("DeMo keeps its own momentum and hands the optimizer sign(...): give it plain SGD, "
                              "--optimizer sgd --momentum 0 (torch.optim.SGD(params, lr, momentum=0))")
 
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.cfg.momentum_rule == "reference":  # each parameter's gradient enters the momentum times its lr
+            lr = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+            lrs = [float(lr.get(id(p), 0.0)) for p in self.params]
+            self._lr_scale = lrs[0] if len(set(lrs)) == 1 else torch.repeat_interleave(
+                torch.tensor(lrs, device=self.momentum.device), torch.tensor(self.numels, device=self.momentum.device))
+        super().before_step(optimizer)
+
     @torch.no_grad()
     def exchange(self, flat: torch.Tensor) -> torch.Tensor:
-        """Fold ``flat`` into the momentum, send its fast components, return sign(decoded mean)."""
+        """Fold ``flat`` (times the step's lr under ``momentum_rule="reference"``) into the momentum, send its fast
+        components, return sign(decoded mean)."""
         assert self.codec is not None, "prepare() first"
-        self.momentum.mul_(self.cfg.decay).add_(flat)
+        self.momentum.mul_(self.cfg.decay).add_(flat if self.cfg.momentum_rule == "paper" else flat * self._lr_scale)
         message = self.codec.encode(self.momentum)
         self.momentum.sub_(self.codec.decode(message))  # what is sent leaves the momentum
         entries = [self.codec.entries(m) for m in self.comm.all_gather(message, self.topo.world)]

@@ -6,11 +6,15 @@ optimizer is the inner one; an outer Nesterov SGD, :class:`.diloco.OuterStep`,
 one per fragment, updates a global copy of the parameters; the schedule is
 :class:`.periodic.PeriodicMethod`'s), with the paper's three changes:
 
-- **Fragments.** The modules that hold parameters, in model order, are dealt
-  out to ``P`` fragments in turn (module ``u`` to fragment ``u mod P``: the
-  paper's strided pattern). Fragment ``p`` meets every ``H`` steps, at the steps
-  ``t`` with ``t mod H = p * H // P``: each outer exchange carries about 1/P
-  of the model, and over ``H`` steps the whole model travels once, as in DiLoCo.
+- **Fragments.** The paper's strided pattern (``pattern="strided"``): the
+  model's layers, in model order, are cut into ``K * P`` contiguous groups of
+  about equal size and group ``g`` goes to fragment ``g mod P``, so that each
+  fragment holds ``K`` groups spread over the depth (the paper's groups are
+  transformer blocks; :func:`layer_groups`). ``pattern="modules"`` deals the
+  modules that hold parameters out in turn instead (module ``u`` to fragment
+  ``u mod P``). Fragment ``p`` meets every ``H`` steps, at the steps ``t`` with
+  ``t mod H = p * H // P``: each outer exchange carries one fragment, and over
+  ``H`` steps the whole model travels once, as in DiLoCo.
 - **Overlap.** The fragment's outer gradient ``global - local`` is sent at step
   ``t``; its outer step's result is merged ``tau`` inner steps later as
   ``local = alpha * local + (1 - alpha) * global``, keeping the local progress
@@ -52,13 +56,18 @@ from .periodic import PeriodicMethod
 from .registry import MethodSpec, register
 
 
+PATTERNS = ("strided", "modules")
+
+
 @dataclass
 class StreamingDiLoCoConfig(Options):
     """Options of Streaming DiLoCo; the CLI exposes each as ``--streaming-diloco-<name>``."""
 
     section = "streaming_diloco"
     h: int = opt(20, "inner steps between two outer steps of one fragment (H)")
-    fragments: int = opt(4, "fragments P: the modules holding parameters, dealt out in turn; fragment p meets at the steps t with t mod H = p*H//P")
+    fragments: int = opt(4, "fragments P; fragment p meets at the steps t with t mod H = p*H//P")
+    pattern: str = opt("strided", "how the model is cut into fragments: strided (the paper's: the layers cut into K*P contiguous groups of about equal size, group g in fragment g mod P) or modules (the modules holding parameters dealt out in turn)", choices=PATTERNS)
+    fragment_groups: int = opt(2, "K, contiguous groups per fragment under --streaming-diloco-pattern strided (fewer where the model has fewer than K*P layers); 1 is the paper's sequential pattern")
     overlap: int = opt(1, "inner steps tau between sending a fragment's outer gradient and merging the outer step's result (0: at once)")
     alpha: float = opt(0.5, "merge of an overlapped fragment: local = alpha * local + (1 - alpha) * global")
     outer_lr: float = opt(0.7, "learning rate of the outer SGD on the averaged outer gradient")
@@ -76,6 +85,7 @@ class StreamingDiLoCoConfig(Options):
         self.require("outer_lr", self.outer_lr > 0, "> 0")
         self.require("outer_momentum", 0 <= self.outer_momentum < 1, "in [0, 1)")
         self.require("block", self.block >= 2 and self.block % 2 == 0, "an even integer >= 2")
+        self.require("fragment_groups", self.fragment_groups >= 1, "a positive integer")
 
 
 def parameter_units(model: nn.Module) -> list[list[int]]:
@@ -91,8 +101,68 @@ def parameter_units(model: nn.Module) -> list[list[int]]:
     return units
 
 
-def fragments_of(model: nn.Module, count: int) -> list[list[int]]:
-    """The parameter indices of each fragment: module ``u`` goes to fragment ``u mod count`` (strided)."""
+def parameter_layers(model: nn.Module) -> list[list[int]]:
+    """The parameter indices of each layer, in model order: a module that holds a parameter of 2 or more dims
+    (a ``Linear``, a convolution, an embedding), joined by the modules after it that hold only smaller ones
+    (a norm, a bias-only module); those before the first layer join it."""
+    params = list(model.parameters())
+    layers: list[list[int]] = []
+    before: list[int] = []  # small modules before the first layer
+    for unit in parameter_units(model):
+        if any(params[i].ndim >= 2 for i in unit):
+            layers.append(before + unit)
+            before = []
+        elif layers:
+            layers[-1].extend(unit)
+        else:
+            before.extend(unit)
+    return layers or ([before] if before else [])
+
+
+def equal_groups(sizes: list[int], count: int) -> list[list[int]]:
+    """``sizes`` cut into ``count`` contiguous, non-empty groups of about equal sums (indices into ``sizes``).
+
+    Group by group, each takes items while its sum comes closer to the mean of what is left (the remaining
+    total over the remaining groups), at least one item and never so many that a later group would be empty;
+    the last takes the rest. An item larger than the mean stands alone, and the groups after it share the rest.
+    """
+    if not 1 <= count <= len(sizes):
+        raise ValueError(f"cannot cut {len(sizes)} items into {count} non-empty groups")
+    groups, start, left = [], 0, sum(sizes)
+    for g in range(count):
+        rest = count - g  # groups still to fill, this one included
+        end = start + 1 if rest > 1 else len(sizes)
+        total, target = sizes[start], left / rest
+        while end < len(sizes) - (rest - 1) and abs(total + sizes[end] - target) < abs(total - target):
+            total += sizes[end]
+            end += 1
+        groups.append(list(range(start, end)))
+        left -= sum(sizes[start:end])
+        start = end
+    return groups
+
+
+def layer_groups(model: nn.Module, count: int, per_fragment: int) -> list[list[int]]:
+    """The paper's strided pattern: the layers (:func:`parameter_layers`) cut into ``K * count`` contiguous groups of
+    about equal size (:func:`equal_groups`), ``K`` = ``per_fragment`` or fewer where the model has fewer than
+    ``K * count`` layers, and group ``g`` in fragment ``g mod count``: each fragment holds ``K`` groups spread over
+    the depth. Returns the parameter indices of each fragment."""
+    params = list(model.parameters())
+    layers = parameter_layers(model)
+    if len(layers) < count:
+        raise ValueError(f"--streaming-diloco-fragments {count}: the model has {len(layers)} layers (modules with a "
+                         f"weight of 2 or more dims); choose at most {len(layers)}")
+    k = max(1, min(per_fragment, len(layers) // count))
+    sizes = [sum(params[i].numel() for i in layer) for layer in layers]
+    groups = [[i for j in group for i in layers[j]] for group in equal_groups(sizes, k * count)]
+    return [sorted(i for group in groups[f::count] for i in group) for f in range(count)]
+
+
+def fragments_of(model: nn.Module, count: int, pattern: str = "strided", per_fragment: int = 2) -> list[list[int]]:
+    """The parameter indices of each of ``count`` fragments: ``pattern="strided"`` (:func:`layer_groups`), or
+    ``"modules"``: module ``u`` (:func:`parameter_units`) in fragment ``u mod count``."""
+    if pattern == "strided":
+        return layer_groups(model, count, per_fragment)
     units = parameter_units(model)
     if len(units) < count:
         raise ValueError(f"--streaming-diloco-fragments {count}: the model has {len(units)} modules with parameters; "
@@ -120,7 +190,7 @@ class StreamingDiLoCo(PeriodicMethod):
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
-        self.fragments = fragments_of(model, self.cfg.fragments)
+        self.fragments = fragments_of(model, self.cfg.fragments, self.cfg.pattern, self.cfg.fragment_groups)
         # The outer optimizers' parameters: the global model, identical on every worker after the broadcast.
         params = list(model.parameters())
         self.outer = [OuterStep([params[i] for i in ids], self.cfg.outer_lr, self.cfg.outer_momentum)
@@ -203,7 +273,7 @@ class StreamingDiLoCo(PeriodicMethod):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "exchanges": list(self.exchanges),
-                "pending": [-1 if d is None else d for d in self.pending],
+                "fragments": [list(f) for f in self.fragments], "pending": [-1 if d is None else d for d in self.pending],
                 "global_params": [g.clone() for g in self.global_params],
                 "outer": [o.optimizer.state_dict() for o in self.outer]}
 
@@ -211,6 +281,9 @@ class StreamingDiLoCo(PeriodicMethod):
         if len(state["outer"]) != len(self.outer):
             raise ValueError(f"checkpoint's Streaming DiLoCo state has {len(state['outer'])} fragments, this run "
                              f"{len(self.outer)}")
+        if state["fragments"] != self.fragments:  # each fragment's outer momentum is laid out by its parameters
+            raise ValueError("checkpoint's Streaming DiLoCo fragments hold other parameters than this run's: "
+                             "continue with the --streaming-diloco-pattern and -fragment-groups it was written with")
         # A state may lack "syncs" (exchanges of any fragments; Streaming DiLoCo reports per fragment): 0 then.
         super().load_state_dict({"syncs": 0, **state})
         self.exchanges = list(state["exchanges"])
@@ -247,7 +320,7 @@ class _GlobalModel:
 
 
 def _check_run(options: StreamingDiLoCoConfig, model: nn.Module, total_steps: int) -> None:
-    fragments_of(model, options.fragments)
+    fragments_of(model, options.fragments, options.pattern, options.fragment_groups)
 
 
 register(MethodSpec("streaming-diloco", StreamingDiLoCo, "Streaming DiLoCo",

@@ -3,9 +3,11 @@ optimizer and its learning-rate schedule."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,19 +49,35 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999))
 
 
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    """Linear warm-up, then cosine decay to zero (or constant)."""
+def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """The learning rate of step ``i`` (0-based) as a share of ``cfg.lr``: a linear warm-up over T steps, then a
+    cosine decay over the rest (or constant).
+
+    Without ``min_lr``, warm-up step i takes lr·(i+1)/T and the cosine ends at 0. With it, timm's schedule with
+    warmup_lr = min_lr (the authors' runs): warm-up step i takes min_lr + (lr − min_lr)·i/T, the peak falls at
+    step T, and the cosine falls from lr to min_lr.
+    """
     warm = cfg.warmup_lr_steps or round(cfg.warmup_lr_fraction * total_steps)
+    floor = (cfg.min_lr or 0.0) / cfg.lr
+    start = 1 if cfg.min_lr is None else 0  # abtrain's own warm-up reaches the peak on its last step
 
     def factor(step: int) -> float:
         if step < warm:
-            return (step + 1) / warm
+            return floor + (1.0 - floor) * (step + start) / warm
         if cfg.lr_schedule == "constant":
             return 1.0
         progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def forward_precision(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The context of a training forward pass and its loss: bf16 autocast on ``device`` with ``precision="bf16"``
+    (the backward then runs in the dtypes the forward chose), nothing with fp32."""
+    if cfg.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 @dataclass

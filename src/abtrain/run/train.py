@@ -21,7 +21,7 @@ from ..data import batches, shard_indices
 from ..methods.memory import moments_per_element, scalar_state_bytes
 from ..models import count_parameters
 from . import checkpoint as ckpt
-from .plan import Plan, build_optimizer, lr_lambda, method_options, preflight
+from .plan import Plan, build_optimizer, forward_precision, lr_lambda, method_options, preflight
 from .progress import Progress, eval_line
 from .results import TensorBoard, count_multiply_adds, gather_memory, peak_rss_bytes, results_record, summary_table, write_metrics_csv
 from .rundir import write_status
@@ -94,7 +94,8 @@ class Trainer:
         self.forward_module.train()
         x, y = x.to(self.topo.device, non_blocking=True), y.to(self.topo.device, non_blocking=True)
         with count_multiply_adds(self.multiply_adds, self.method.phase):  # the first step of each phase
-            loss = self.loss(self.forward_module(x), y)
+            with forward_precision(self.cfg, self.topo.device):
+                loss = self.loss(self.forward_module(x), y)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if self.cfg.grad_clip is not None:

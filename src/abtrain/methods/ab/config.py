@@ -21,15 +21,18 @@ TANGENT_CORES = {"sum": 1.0, "mean": 0.5}  # --ab-tangent-core: the weight of th
 STATE_POLICIES = ("keep", "map", "reset")
 SVD_MODES = ("full", "update")
 INITS = ("default", "ortho-sigma")
+INIT_SCOPES = ("factorised", "all")
+ONLY_B_SYNCS = ("average", "rank0")
 RANK_CAPS = ("pays", "state", "none")
 DEFAULT_TAU = 0.05  # the rank rule when none is given; why this value: docs/ab-training.md, "Defaults"
 
 #: The method as its authors' code runs it, where abtrain's defaults differ (those were measured to send fewer
 #: bytes between nodes: docs/notebook/): fp32 full-rank phases and sync, with-stale, the sqrt split,
 #: tau 0.15 at every truncation whatever the factors' size, no rank floor, no averaged optimizer moments,
-#: ortho-sigma initialisation. ``ABConfig(**PAPER)``, ``abtrain.setup("ab", **PAPER)``, or ``abtrain train
-#: --config examples/ab-paper.toml`` (the training recipe stays the user's; examples/ab-resnet50.toml,
-#: ab-vgg16.toml and ab-vit.toml add the authors' recipe of each published setting).
+#: ortho-sigma initialisation of the factorised weights. ``ABConfig(**PAPER)``, ``abtrain.setup("ab", **PAPER)``,
+#: or ``abtrain train --config examples/ab-paper.toml`` (the training recipe stays the user's; examples/
+#: ab-resnet50.toml, ab-vgg16.toml and ab-vit.toml add the authors' recipe of each published setting, and their
+#: code's tall turn of wide matrices and ortho-sigma on every matrix: orientation="tall", init_scope="all").
 PAPER: dict[str, Any] = {
     "warmup_fraction": 0.25, "cycle_fraction": 0.06, "rebound_fraction": 0.1, "lr_rebound_fraction": 0.3,
     "tau": 0.15, "sync": "with-stale", "split": "sqrt", "dense_comm": "fp32", "powersgd_rank": 4,
@@ -68,6 +71,7 @@ class ABConfig(Options):
     rank_cap: str = opt("pays", "bound on the rank of every decomposition: pays (factors smaller than W), state (training state within DDP's) or none (the rank rule alone)", choices=RANK_CAPS)
     sync: str = opt("only-learned", "how a sync averages the groups into one model", choices=SYNC_MODES)
     only_b_groups: str = opt("group", "only-b: train B with DP inside each group and average it at sync (group), or over one group of all workers every step (world)", choices=ONLY_B_GROUPS)
+    only_b_sync: str = opt("average", "only-b: what a sync does with all but B (the parameters trained full rank, the buffers): average them over all workers, or take rank 0's copy (rank0: a broadcast, as the authors' code leaves them)", choices=ONLY_B_SYNCS)
     lr_floor: float = opt(1e-5, "learning rate right after a phase switch")
     split: str | None = opt(None, "how W's singular values go into A and B: sqrt, sigma, or tangent (in the factor each group trains); default: tangent with only-learned, else sqrt", choices=SPLITS)
     sync_payload: str | None = opt(None, "what an only-learned sync sends per low-rank layer: factors, smaller (of factors and W's change) or lowrank; default: lowrank with tangent, else factors", choices=SYNC_PAYLOADS)
@@ -79,6 +83,8 @@ class ABConfig(Options):
     sync_moments: bool = opt(True, "at each sync, also average the optimizer moments of the parameters trained full rank during the AB phase")
     optimizer_state: str = opt("map", "the trained factors' optimizer state at each decomposition: keep (resized to the new rank), map (into the new basis) or reset", choices=STATE_POLICIES)
     init: str = opt("default", "ortho-sigma: every factorisable weight keeps its initial singular vectors with all singular values 1", choices=INITS)
+    init_scope: str = opt("factorised", "the weights --ab-init ortho-sigma sets: factorised (those AB-training factorises) or all (every parameter of 2 or more dims, as the authors' code: kept layers and embeddings too; one of a single row or column is scaled to unit norm)", choices=INIT_SCOPES)
+    orientation: str = opt("as-is", "which matrix a wide weight (C_out < C_in k k: most convolutions) is factorised as: as-is (C_out x C_in k k) or tall (its transpose, as the authors' code: B, r x min(m, n), is then the short factor)", choices=lowrank.ORIENTATIONS)
     full_rank: str = opt(",".join(lowrank.DEFAULT_FULL_RANK_PATTERNS), "comma-separated parameter-name patterns kept full rank (fnmatch)")
     dense_comm: str = opt("powersgd", "how the warm-up and rebounds average full-rank gradients over all workers: fp32, bf16, powersgd (--ab-powersgd-rank), or local (not at all: each worker steps alone and the model is averaged once, before the decomposition that ends the phase)", choices=DENSE_REDUCERS)
     powersgd_rank: int = opt(31, "rank of PowerSGD's P and Q for --ab-dense-comm powersgd")
@@ -156,6 +162,9 @@ class ABConfig(Options):
             raise ValueError(f"--ab-sync-codec {self.sync_codec} quantises each layer's change of W, which only the "
                              "tangent merge sends: use it with --ab-sync only-learned --ab-split tangent and "
                              "--ab-sync-payload lowrank or smaller (or --ab-sync-codec bf16)")
+        if self.only_b_sync != "average" and self.sync != "only-b":
+            raise ValueError(f"--ab-only-b-sync {self.only_b_sync} changes what an only-b sync does: use it with "
+                             f"--ab-sync only-b (got {self.sync})")
         if not self.lr_floor >= 0:
             raise ValueError(f"--ab-lr-floor must be >= 0, got {self.lr_floor}")
 

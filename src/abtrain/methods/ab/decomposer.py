@@ -178,13 +178,13 @@ class Decomposer:
         """The most rank --ab-rank-cap lets the layer keep (never below the rank floor)."""
         if self.cfg.rank_cap == "pays":
             cap = lowrank.paying_rank(fp.m, fp.n)
-        else:  # the warm-start Qs the layer keeps too: the sync compressor's and the full-rank phases' PowerSGD's
-            qs = [(self.cfg.sync_rank, self.compressor is not None),
-                  (self.cfg.powersgd_rank, self.cfg.dense_comm == "powersgd")]
+        else:  # the warm-start Qs the layer keeps too: the sync compressor's (n×q: it compresses the factorised
+            # matrix's change) and the full-rank phases' PowerSGD's (prod(S[1:])×q: it compresses W's gradient)
+            qs = [(self.cfg.sync_rank * fp.n, self.compressor is not None),
+                  (self.cfg.powersgd_rank * (fp.m * fp.n // fp.shape[0]), self.cfg.dense_comm == "powersgd")]
             # the sync's error memory, as a share of W's numbers
             memory = self.compressor.memory_share(fp.A.dtype) if self.compressor is not None else 0.0
-            cap = lowrank.state_rank(fp.m, fp.n, moments, memory=memory,
-                                     extra=sum(q * fp.n for q, used in qs if used))
+            cap = lowrank.state_rank(fp.m, fp.n, moments, memory=memory, extra=sum(q for q, used in qs if used))
         return max(cap, min(self.cfg.min_rank, fp.m, fp.n))
 
     def _say_capped(self, records: list[lowrank.FactorizedParam], capped: dict[str, int]) -> None:

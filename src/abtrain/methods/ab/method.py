@@ -278,7 +278,7 @@ class ABTraining(Method):
             for fp in st.records:
                 if fp.mode == "lowrank" and fp.name in st.bases and fp.name in state:
                     u, sigma, vh = st.basis(fp)
-                    state[fp.name] = ((u * sigma) @ vh).reshape(fp.shape).to(state[fp.name].dtype)
+                    state[fp.name] = fp.param.weight_of((u * sigma) @ vh).to(state[fp.name].dtype)
         return state
 
     def in_consensus(self) -> bool:

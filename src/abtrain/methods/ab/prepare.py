@@ -31,14 +31,20 @@ log = logging.getLogger(__name__)
 def factorise_layers(model: nn.Module, cfg: ABConfig, state: PhaseState) -> None:
     """Every factorisable weight of ``model`` parametrized (in full mode, trainable) into ``state.records``; the
     weights left out, and why, in ``state.excluded``; the parameters of fewer than 2 dims counted in
-    ``state.others``. ``init="ortho-sigma"`` sets each W's singular values to 1."""
+    ``state.others``. ``init="ortho-sigma"`` sets each W's singular values to 1 (``init_scope="all"``: of every
+    parameter of 2 or more dims)."""
     state.records = lowrank.prepare_model(model, full_rank_patterns=cfg.patterns, min_rank=cfg.min_rank,
-                                          apply=cfg.linear_apply, excluded=state.excluded)
+                                          apply=cfg.linear_apply, orientation=cfg.orientation,
+                                          excluded=state.excluded)
     factorisable = {id(p) for fp in state.records for p in (fp.weight, fp.A, fp.B)} | {
         id(p) for name, p in model.named_parameters() if any(name == e for e, _ in state.excluded)}
     state.others = sum(1 for p in model.parameters() if id(p) not in factorisable)
-    if cfg.init == "ortho-sigma":
+    if cfg.init == "ortho-sigma" and cfg.init_scope == "factorised":
         lowrank.ortho_sigma_init(state.records)
+    elif cfg.init == "ortho-sigma":  # the factors are 0-size placeholders until the first decomposition
+        for p in model.parameters():
+            if p.ndim >= 2 and p.numel():
+                lowrank.unit_spectrum(p)
 
 
 def sync_batchnorm(model: nn.Module, comm: Communicator, topo: Topology, say: Callable[[str], None]) -> nn.Module:

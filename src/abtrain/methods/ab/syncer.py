@@ -69,7 +69,8 @@ class Syncer:
             changes = average_models(self.comm, self.topo.world, cfg.sync, low, rest, buffers, self.wire_dtype,
                                      in_a=self.topo.rank < self.a_workers, n_a=self.a_workers,
                                      one_group=self.train_group is self.topo.world,
-                                     as_change=self._send_as_change(low, bases), compressor=self.compressor)
+                                     as_change=self._send_as_change(low, bases), compressor=self.compressor,
+                                     rank0=cfg.only_b_sync == "rank0")
             factors = self.compressor.take_factors() if self.compressor is not None else {}
             core = TANGENT_CORES[cfg.tangent_core]
             for fp in low:
@@ -134,7 +135,7 @@ class Syncer:
         st = self.state
         for fp in st.records:
             if fp.name in st.bases and fp.mode == "lowrank":
-                lowrank.recompose(fp, st.basis(fp), fp.weight.new_zeros(fp.shape))
+                lowrank.recompose(fp, st.basis(fp), fp.weight.new_zeros(fp.m, fp.n))
         st.bases = {}
         lowrank.set_trainable(st.records, "full")
 
@@ -164,7 +165,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
                    rest: list[torch.Tensor], buffers: list[torch.Tensor], wire: torch.dtype | None, *,
                    in_a: bool, n_a: int, one_group: bool,
                    as_change: dict[str, lowrank.SVD] | None = None,
-                   compressor: SyncCompressor | None = None) -> dict[str, torch.Tensor]:
+                   compressor: SyncCompressor | None = None, rank0: bool = False) -> dict[str, torch.Tensor]:
     """Average the factors of the ``low`` layers and ``rest`` over ``world`` as the sync ``mode`` says.
 
     ``in_a``: this worker trained A; ``n_a``: workers that trained A; ``one_group``:
@@ -174,6 +175,7 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
     Returns those layers' summed changes of W (m×n), the same on every worker.
     ``compressor``: the layers it compresses send their change as a rank-q PowerSGD
     approximation with error feedback instead of in full (see :func:`_average_learned`).
+    ``rank0`` (only-b): ``rest`` and the buffers take rank 0's copy, broadcast, instead of their average.
     """
     if mode == "with-stale":
         comm.all_reduce_tensors([t for fp in low for t in (fp.A, fp.B)] + rest, world, wire_dtype=wire)
@@ -186,7 +188,13 @@ def average_models(comm: Communicator, world: Group, mode: str, low: list[lowran
         comm.all_reduce_tensors([fp.weight for fp in low] + rest, world, wire_dtype=wire)
     elif one_group:
         # only-b over one group of everyone: nothing drifts apart but BatchNorm statistics
-        comm.all_reduce_tensors(buffers, world, wire_dtype=wire)
+        if rank0:
+            comm.broadcast_tensors(buffers, world)
+        else:
+            comm.all_reduce_tensors(buffers, world, wire_dtype=wire)
+    elif rank0:  # only-b in groups, as the authors' code: B averaged, all else from rank 0 (their DDP rebuild)
+        comm.all_reduce_tensors([fp.B for fp in low], world, wire_dtype=wire)
+        comm.broadcast_tensors(rest, world)
     else:  # only-b in groups: A is the same frozen factor everywhere; B and the rest are averaged
         comm.all_reduce_tensors([fp.B for fp in low] + rest, world, wire_dtype=wire)
     return {}

@@ -2,10 +2,12 @@
 
 Every factorisable weight W (shape S) is viewed as the matrix m×n with
 m = S[0] and n = prod(S[1:]) (a conv kernel (C_out, C_in/groups, kh, kw) becomes
-(C_out, C_in/groups·kh·kw)). :func:`prepare_model` puts a :class:`LowRankWeight`
+(C_out, C_in/groups·kh·kw)), or, turned tall (``orientation="tall"``), as that
+matrix's transpose where it is wide (m < n); every part below works on the matrix
+the layer factorises. :func:`prepare_model` puts a :class:`LowRankWeight`
 parametrization (``torch.nn.utils.parametrize``) on each such weight, so the owning
 module -- ``nn.Linear``, any ``nn.Conv*``, ``nn.MultiheadAttention`` -- keeps calling
-``self.weight`` and gets either W itself (mode ``"full"``) or ``(A @ B).reshape(S)``
+``self.weight`` and gets either W itself (mode ``"full"``) or W of the matrix ``A @ B``
 (mode ``"lowrank"``).
 
 The factors A (m×r) and B (r×n) are parameters of the parametrization from the
@@ -29,9 +31,9 @@ state_dict that folds the parametrizations back is every method's export
 
 
 from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, ortho_sigma_init, recompose, svd,
-                        svd_update, tangent_parts)
-from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, FactorizedParam, LowRankWeight, factors_cheaper,
-                     prepare_model, set_mode, set_trainable)
+                        svd_update, tangent_parts, unit_spectrum)
+from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, ORIENTATIONS, FactorizedParam, LowRankWeight,
+                     factors_cheaper, prepare_model, set_mode, set_trainable)
 from .optimizer_state import map_state, reset_state, resize_state
 from .ranks import RankRule, factors_compress, paying_rank, state_rank
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,
@@ -40,6 +42,7 @@ from .report import (ab_param_count, compression_ratio, decision_lines, describe
 __all__ = [
     "APPLY_MODES",
     "DEFAULT_FULL_RANK_PATTERNS",
+    "ORIENTATIONS",
     "FactorizedParam",
     "LowRankSum",
     "LowRankWeight",
@@ -72,4 +75,5 @@ __all__ = [
     "svd",
     "svd_update",
     "tangent_parts",
+    "unit_spectrum",
 ]

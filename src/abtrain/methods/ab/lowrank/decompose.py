@@ -33,7 +33,8 @@ class NonFiniteWeight(SVDError, FloatingPointError):
 
 
 def svd(fp: FactorizedParam) -> SVD:
-    """Thin SVD of the current W (viewed m×n) in float32, retried in float64 if float32 fails.
+    """Thin SVD of the current W as its factorised m×n matrix (:meth:`FactorizedParam.matrix`) in float32, retried
+    in float64 if float32 fails.
 
     A wide W (m < n) is decomposed as its transpose, tall, and the result turned back: LAPACK's
     divide-and-conquer SVD first reduces a tall matrix to its m×m triangular factor by QR, and on the
@@ -41,7 +42,7 @@ def svd(fp: FactorizedParam) -> SVD:
     up to rounding). U and Vh come back contiguous, as on every worker, so that products with them take
     the same BLAS kernel, and so the same rounding, everywhere.
     """
-    w = fp.effective_weight().reshape(fp.m, fp.n)
+    w = fp.matrix()
     if not torch.isfinite(w).all():
         raise NonFiniteWeight(f"cannot decompose {fp.name}: its weight holds inf or nan")
     wide = fp.m < fp.n
@@ -129,7 +130,7 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
     after a full SVD. A rank above the vectors held needs :func:`svd`.
     """
     stored = fp.effective_weight()
-    w = stored.reshape(fp.m, fp.n).float()
+    w = fp.param.matrix(stored).float()
     rtol = max(rtol, 4 * torch.finfo(stored.dtype).eps)  # W held in a narrow dtype is only that close to the sum
     u, core, vh = parts.U.float(), parts.core.float(), parts.Vh.float()
     p, q = parts.P.float(), parts.Q.float()
@@ -257,7 +258,7 @@ def decompose_all(
 
 def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | None = None,
               core: float = 1.0, parts: LowRankSum | None = None) -> None:
-    """W = (A @ B).reshape(shape) in W's dtype, in place; switch to full mode.
+    """W of the matrix A @ B (:meth:`LowRankWeight.weight_of`) in W's dtype, in place; switch to full mode.
 
     With ``basis`` = (U, σ, Vᵀ), the rank-r SVD the factors started from, W is instead
     the tangent merge UσVᵀ + (A − Uσ)·Vᵀ + U·(B − σVᵀ): the start
@@ -293,13 +294,13 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
                 raise ValueError(f"{fp.name}: basis of rank {s.numel()} does not match factors of rank {fp.rank}")
             start = u * s
             if change is not None:
-                change = change.reshape(start.shape[0], vh.shape[1])
+                change = change.reshape(fp.m, fp.n)
             else:
                 change = (fp.A - start) @ vh + u @ (fp.B - s[:, None] * vh)
             if core != 1.0:
                 change = change - (1.0 - core) * (u @ (u.T @ change @ vh.T) @ vh)
             merged = start @ vh + change
-        w.copy_(merged.reshape(fp.shape).to(w.dtype))
+        w.copy_(fp.param.weight_of(merged).to(w.dtype))
     _set_grads_none(fp.A, fp.B, w)
     # The factors' values are replaced by the next decomposition, so they hold no numbers in between (their
     # optimizer state stays, for the next decomposition to resize or map): a full-rank layer costs W alone.
@@ -310,8 +311,17 @@ def recompose(fp: FactorizedParam, basis: SVD | None = None, change: Tensor | No
 
 
 @torch.no_grad()
+def unit_spectrum(w: Tensor) -> None:
+    """W (viewed as W.shape[0] × the rest) = U·Vᵀ from its own SVD, in place: every singular value 1, the singular
+    vectors kept (a matrix of one row or column, one singular value, scaled to unit norm). The matrix's
+    transpose gives the same result."""
+    u, _, vh = torch.linalg.svd(w.detach().reshape(w.shape[0], -1).float(), full_matrices=False)
+    w.copy_((u @ vh).reshape(w.shape).to(dtype=w.dtype, device=w.device))
+
+
+@torch.no_grad()
 def ortho_sigma_init(records: Iterable[FactorizedParam]) -> None:
-    """Set every singular value of each W to 1, keeping W's singular vectors: W = U·Vᵀ.
+    """Set every singular value of each W to 1, keeping W's singular vectors: W = U·Vᵀ (:func:`unit_spectrum`).
 
     Applied to the model's default initialisation, this keeps its random
     directions and gives every factorisable layer a flat spectrum. Workers
@@ -321,6 +331,4 @@ def ortho_sigma_init(records: Iterable[FactorizedParam]) -> None:
     for fp in records:
         if fp.mode != "full":
             raise ValueError(f"{fp.name} is in lowrank mode; ortho_sigma_init sets full-rank weights")
-        w = fp.weight
-        u, _, vh = torch.linalg.svd(w.detach().reshape(fp.m, fp.n).float(), full_matrices=False)
-        w.copy_((u @ vh).reshape(fp.shape).to(dtype=w.dtype, device=w.device))
+        unit_spectrum(fp.weight)

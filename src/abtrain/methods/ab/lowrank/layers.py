@@ -25,12 +25,15 @@ from .ranks import factors_compress
 logger = logging.getLogger(__name__)
 
 Mode = Literal["full", "lowrank"]
+Orientation = Literal["as-is", "tall"]
 Factor = Literal["A", "B"]
 Split = Literal["sqrt", "sigma"]
 Apply = Literal["weight", "factors", "auto"]
 
 #: How a low-rank ``nn.Linear`` applies A·B to its input (:func:`prepare_model`'s ``apply``).
 APPLY_MODES: tuple[str, ...] = ("weight", "factors", "auto")
+#: Which matrix of a wide weight is factorised (:func:`prepare_model`'s ``orientation``).
+ORIENTATIONS: tuple[str, ...] = ("as-is", "tall")
 
 #: Parameter-name patterns (fnmatch, on the full dotted name) kept full rank by
 #: default: the first layer that sees the input and the classifier head.
@@ -41,21 +44,25 @@ _ROLES = ("A", "B", "both", "full")
 
 
 class LowRankWeight(nn.Module):
-    """Parametrization of one weight W of shape S, viewed as the m×n matrix.
+    """Parametrization of one weight W of shape S, factorised as the m×n matrix M.
 
+    M is W viewed as S[0] × prod(S[1:]), or, with ``transposed`` (a wide weight turned tall, as the AB-training
+    authors' code does), that view's transpose: m = prod(S[1:]), n = S[0] (:meth:`matrix`, :meth:`weight_of`).
     Mode ``"full"`` returns the original W (the gradient flows to W).
-    Mode ``"lowrank"`` returns ``(A @ B).reshape(S)``; A (m×r) and B (r×n) are
+    Mode ``"lowrank"`` returns W of M = A @ B; A (m×r) and B (r×n) are
     parameters of this module, and W gets no gradient and holds no numbers: its
     storage is released by the decomposition (:func:`release_weight`) and
     allocated again by the recomposition, so a layer in lowrank mode costs the
     memory of its factors alone.
     """
 
-    def __init__(self, shape: Sequence[int], *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, shape: Sequence[int], *, dtype: torch.dtype, device: torch.device | str,
+                 transposed: bool = False) -> None:
         super().__init__()
         self.shape = torch.Size(shape)
-        self.m = int(self.shape[0])
-        self.n = math.prod(self.shape[1:])
+        self.transposed = transposed
+        rows, cols = int(self.shape[0]), math.prod(self.shape[1:])
+        self.m, self.n = (cols, rows) if transposed else (rows, cols)
         # 0-size placeholders: present in model.parameters() before the first decomposition.
         self.A = nn.Parameter(torch.empty(self.m, 0, dtype=dtype, device=device), requires_grad=False)
         self.B = nn.Parameter(torch.empty(0, self.n, dtype=dtype, device=device), requires_grad=False)
@@ -70,18 +77,28 @@ class LowRankWeight(nn.Module):
         """Current rank r (0 before the first decomposition)."""
         return int(self.A.shape[1])
 
+    def matrix(self, weight: Tensor) -> Tensor:
+        """A tensor of W's shape as the factorised m×n matrix (a view: W.T's where the layer is turned tall)."""
+        rows = weight.reshape(self.shape[0], -1)
+        return rows.T if self.transposed else rows
+
+    def weight_of(self, matrix: Tensor) -> Tensor:
+        """An m×n matrix as a tensor of W's shape (:meth:`matrix`'s inverse)."""
+        return (matrix.T if self.transposed else matrix).reshape(self.shape)
+
     def forward(self, original: Tensor) -> Tensor:
         if self.mode == "full":
             return original
-        return (self.A @ self.B).reshape(self.shape)
+        return self.weight_of(self.A @ self.B)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.shape)}, matrix=({self.m}, {self.n}), mode={self.mode}, rank={self.rank}"
+        return (f"shape={tuple(self.shape)}, matrix=({self.m}, {self.n}){', transposed' if self.transposed else ''}, "
+                f"mode={self.mode}, rank={self.rank}")
 
     # The mode travels with the state_dict (key ``..._extra_state``) so a checkpoint
     # restores both the factors and whether they are in use.
     def get_extra_state(self) -> dict[str, Any]:
-        return {"mode": self.mode, "note": self.note}
+        return {"mode": self.mode, "note": self.note, "transposed": self.transposed}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("mode") not in _MODES:
@@ -90,6 +107,12 @@ class LowRankWeight(nn.Module):
         self.note = str(state.get("note", self.note))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(extra, dict) and extra.get("transposed", False) != self.transposed:
+            raise ValueError(f"a checkpoint's low-rank layer of shape {tuple(self.shape)} was factorised "
+                             f"{'turned tall' if extra.get('transposed') else 'as it is'}, this one "
+                             f"{'turned tall' if self.transposed else 'as it is'}: continue with the "
+                             "--ab-orientation the checkpoint was written with")
         # A and B change shape with the rank; adopt the checkpoint's shapes before
         # the default loader copies values (it rejects shape mismatches).
         for name in ("A", "B"):
@@ -112,15 +135,18 @@ def factors_cheaper(m: int, n: int, r: int, rows: int) -> bool:
 
 
 def _linear_forward(self: nn.Linear, input: Tensor) -> Tensor:
-    """``nn.Linear.forward`` of a prepared layer: in lowrank mode, x·Bᵀ·Aᵀ where that is chosen.
+    """``nn.Linear.forward`` of a prepared layer: in lowrank mode, x·Wᵀ through the factors where that is chosen.
 
-    The same function as forming W (up to rounding), with the gradients reaching
-    A and B; in full mode, or when W is chosen, exactly ``nn.Linear.forward``.
+    W = A·B as it is (x·Bᵀ·Aᵀ), or W = (A·B)ᵀ turned tall (x·A·B). The same function as forming W (up to
+    rounding), with the gradients reaching A and B; in full mode, or when W is chosen, exactly
+    ``nn.Linear.forward``.
     """
     lr = self.parametrizations.weight[0]  # type: ignore[union-attr,index]
     if lr.mode == "lowrank" and lr.apply != "weight":
-        rows = max(1, input.numel() // lr.n)
+        rows = max(1, input.numel() // self.in_features)
         if lr.apply == "factors" or factors_cheaper(lr.m, lr.n, lr.rank, rows):
+            if lr.transposed:
+                return F.linear(F.linear(input, lr.A.T), lr.B.T, self.bias)
             return F.linear(F.linear(input, lr.B), lr.A, self.bias)
     return nn.Linear.forward(self, input)
 
@@ -215,6 +241,10 @@ class FactorizedParam:
         with torch.no_grad():
             return getattr(self.module, self.pname).detach()
 
+    def matrix(self) -> Tensor:
+        """:meth:`effective_weight` as the factorised m×n matrix (:meth:`LowRankWeight.matrix`)."""
+        return self.param.matrix(self.effective_weight())
+
 
 def _excluded_reason(
     module: nn.Module, name: str, param: Tensor, patterns: Sequence[str], min_rank: int
@@ -239,6 +269,7 @@ def prepare_model(
     full_rank_patterns: Sequence[str] = DEFAULT_FULL_RANK_PATTERNS,
     min_rank: int = 1,
     apply: Apply = "weight",
+    orientation: Orientation = "as-is",
     excluded: list[tuple[str, str]] | None = None,
 ) -> list[FactorizedParam]:
     """Put a :class:`LowRankWeight` (mode ``"full"``) on every factorisable weight of ``model``.
@@ -259,10 +290,17 @@ def prepare_model(
     call's number of input rows (:func:`factors_cheaper`). The three compute the
     same function, up to rounding.
 
+    ``orientation`` is which matrix a wide weight (S[0] < prod(S[1:]): most convolutions) is factorised as:
+    ``"as-is"``, its S[0] × prod(S[1:]) view; ``"tall"``, that view's transpose, as the AB-training authors'
+    code turns every weight tall before its SVD, so that B (r × min) is the short factor. The factors of a
+    weight hold the same numbers either way; which group trains the larger one changes.
+
     ``excluded``, when given, receives ``(name, reason)`` for every weight of ≥ 2 dims left full rank.
     """
     if apply not in APPLY_MODES:
         raise ValueError(f"apply must be one of {APPLY_MODES}, got {apply!r}")
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"orientation must be one of {ORIENTATIONS}, got {orientation!r}")
     if any(isinstance(mod, LowRankWeight) for mod in model.modules()):
         raise ValueError("model is already prepared for low-rank training; call prepare_model once per model")
     if min_rank < 1:
@@ -303,7 +341,9 @@ def prepare_model(
     records = []
     # Registration mutates the module tree, so it happens after the walk above.
     for name, mod, pname, param in chosen:
-        lr = LowRankWeight(param.shape, dtype=param.dtype, device=param.device)
+        wide = param.shape[0] < math.prod(param.shape[1:])
+        lr = LowRankWeight(param.shape, dtype=param.dtype, device=param.device,
+                           transposed=orientation == "tall" and wide)
         linear = isinstance(mod, nn.Linear) and pname == "weight" and type(mod).forward is nn.Linear.forward
         parametrize.register_parametrization(mod, pname, lr)
         mod.parametrizations[pname].register_load_state_dict_pre_hook(_adopt_saved_shape)  # type: ignore[index,union-attr]
