@@ -1,5 +1,5 @@
 """A real training loop's habits with AB-training: clipping, a cosine LR schedule, bf16 autocast, gradient
-accumulation, torch.compile, and checkpoints that resume to the same bits.
+accumulation, torch.compile, and DDP's checkpoint: rank 0 saves, every worker resumes from its file.
 
     torchrun --standalone --nproc-per-node 4 examples/own_loop_habits.py
     torchrun --standalone --nproc-per-node 4 examples/own_loop_habits.py --stop-after 30 --ckpt-dir ckpt
@@ -9,7 +9,9 @@ Each habit is written as under DDP; the lines marked ``# abtrain`` are what chan
 ``method.no_sync()`` where DDP has ``model.no_sync()``, and nothing else. The gradient is averaged when
 ``backward()`` returns, so ``clip_grad_norm_`` clips what the optimizer applies; the optimizer's
 state_dict, saved after ``method.attach(opt)``, carries the method's state, so the model's and the
-optimizer's state_dicts are the whole checkpoint.
+optimizer's state_dicts are the whole checkpoint. Rank 0's file resumes every worker: inside an AB phase the
+workers of the other role go on from the phase's start, and rank 0 says what that gives up. ``--per-rank``
+saves each worker's file as well and resumes each from its own: the same bits as the uninterrupted run.
 """
 import argparse
 import math
@@ -35,6 +37,8 @@ parser.add_argument("--ckpt-dir", help="save a checkpoint here every --ckpt-ever
 parser.add_argument("--ckpt-every", type=int, default=10)
 parser.add_argument("--stop-after", type=int, help="stop after this many steps (as if killed after a checkpoint)")
 parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --ckpt-dir")
+parser.add_argument("--per-rank", action="store_true",
+                    help="each worker saves its own file too, and resumes from it (bit-identical inside an AB phase)")
 parser.add_argument("--out", help="rank 0 writes the exported weights and the run's figures here (a .pt file)")
 args = parser.parse_args()
 
@@ -74,11 +78,12 @@ opt.register_step_pre_hook(lambda o, *_: applied.append(torch.linalg.vector_norm
     [p.grad.norm() for g in o.param_groups for p in g["params"] if p.grad is not None])).item()))
 
 step = 0
-path = os.path.join(args.ckpt_dir, f"rank{rank}.pt") if args.ckpt_dir else None
+path = os.path.join(args.ckpt_dir, "ckpt.pt") if args.ckpt_dir else None  # rank 0 writes it
+own = os.path.join(args.ckpt_dir, f"rank{rank}.pt") if args.ckpt_dir and args.per_rank else None
 if path:
     os.makedirs(args.ckpt_dir, exist_ok=True)
 if args.resume:
-    state = torch.load(path)  # the default weights_only load: a checkpoint of plain data
+    state = torch.load(own or path)  # every worker loads rank 0's file (the default weights_only load: plain data)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])  # brings the method's state too (saved while attached)
     sched.load_state_dict(state["scheduler"])
@@ -103,9 +108,10 @@ while step < total and step != args.stop_after:
         sched.step()
         step += 1
         if path and step % args.ckpt_every == 0:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                        "step": step}, path + ".tmp")
-            os.replace(path + ".tmp", path)  # a kill while saving leaves the previous checkpoint whole
+            for file in [path] * (rank == 0) + [own] * (own is not None):
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "step": step}, file + ".tmp")
+                os.replace(file + ".tmp", file)  # a kill while saving leaves the previous checkpoint whole
         if step == total or step == args.stop_after:
             break
 
@@ -116,10 +122,14 @@ if step == args.stop_after and step < total:
 
 method.detach()  # the last sync: one model on every worker
 low_rank = sum(r is not None for r in method.ranks[-1]["layers"].values()) if method.ranks else 0
+with torch.no_grad():
+    model.eval()
+    accuracy = (model(data.test.x).argmax(1) == data.test.y).float().mean().item()
 if rank == 0:
     print(method.summary())
-    print(f"low-rank layers at the end: {low_rank}; largest gradient norm applied: {max(applied):.4f}")
+    print(f"low-rank layers at the end: {low_rank}; largest gradient norm applied: {max(applied):.4f}; "
+          f"test accuracy {accuracy:.4f}")
     if args.out:
         torch.save({"weights": method.export(), "results": method.results(), "applied": applied,
-                    "low_rank": low_rank}, args.out)
+                    "low_rank": low_rank, "accuracy": accuracy}, args.out)
 dist.destroy_process_group()

@@ -1,8 +1,10 @@
 """The Lightning strategy in a real 4-worker gloo world: AB-training as abtrain's own loop runs it, bit for bit.
 
 One world (Lightning's import costs each worker seconds) runs, in order: AB-training through the strategy
-with gradient clipping, accumulation over 2 micro-batches and a checkpoint after every epoch; the same run
-resumed from the first checkpoint; the same training written as a plain loop around ``abtrain.setup``; and
+with gradient clipping, accumulation over 2 micro-batches and a checkpoint after every epoch (Lightning's own,
+written by rank 0); the same run resumed from the first checkpoint (in the warm-up, where every worker holds one
+state) and from the second (right after a decomposition); the same training written as a plain loop around
+``abtrain.setup``; and
 abtrain's ``ddp`` method and the other kinds of method through the strategy. The example script runs as a user
 types it, Lightning starting its workers.
 """
@@ -32,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 import abtrain
 from abtrain.comm.ledger import wire_bytes
-from abtrain.integrations.lightning import CHECKPOINT_KEY, AbtrainStrategy
+from abtrain.integrations.lightning import AbtrainStrategy
 from abtrain.methods.summary import ddp_equivalent
 
 from helpers import run_world
@@ -44,9 +46,12 @@ BATCH, ACCUMULATE, EPOCHS = 8, 2, 3
 STEPS_PER_EPOCH = 6  # optimizer steps: 12 micro-batches of 8 samples on each of 4 workers
 STEPS = EPOCHS * STEPS_PER_EPOCH
 CLIP = 0.05
-# Warm-up 3 steps, a sync every 4 after it (steps 7, 11, 15), the next decomposition at once; validation at every
-# epoch's end (steps 6, 12, 18) falls inside AB phases, so consensus() syncs there too.
-AB = {"warmup_steps": 3, "cycle_steps": 4, "rebound_steps": 0, "lr_rebound_steps": 0, "min_rank": 2}
+# Warm-up 7 steps (full-rank gradients averaged in fp32: the workers hold one state), a sync at every multiple of 4
+# after it (steps 8, 12, 16), the next decomposition at once; validation at every epoch's end (steps 6, 12, 18): in the
+# warm-up, right after a decomposition, and inside an AB phase, where consensus() syncs.
+AB = {"warmup_steps": 7, "cycle_steps": 4, "rebound_steps": 0, "lr_rebound_steps": 0, "min_rank": 2,
+      "dense_comm": "fp32"}
+GIVES_UP = "a worker resuming from it in place of its own gives up"
 #: The other kinds of method, with short schedules, and the ledger phases each one's traffic falls in.
 OTHERS = {"powersgd": ({"start_iter": 2}, {"setup", "warmup", "train"}),  # DDP's hook
           "ef21": ({}, {"setup", "warmup", "train"}),  # reduce_gradients() before clipping
@@ -138,10 +143,19 @@ def _fit(method: str, ckpt_dir: str | None = None, resume: str | None = None, va
                          enable_checkpointing=ckpt_dir is not None,
                          callbacks=callbacks, limit_val_batches=2, num_sanity_val_steps=1,
                          val_check_interval=val_check_interval)
-    trainer.fit(model, DataLoader(data, batch_size=BATCH), DataLoader(Subset(data, range(64)), batch_size=16),
-                ckpt_path=resume)
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("abtrain").addHandler(handler)
+    logging.getLogger("abtrain").setLevel(logging.INFO)
+    try:
+        trainer.fit(model, DataLoader(data, batch_size=BATCH), DataLoader(Subset(data, range(64)), batch_size=16),
+                    ckpt_path=resume)
+    finally:
+        logging.getLogger("abtrain").removeHandler(handler)
     m = strategy.method
     return {"export": m.export(), "rows": _rows(m.comm.ledger), "norms": model.norms, "batches": watch.batches,
+            "gives_up": [line for line in said if GIVES_UP in line],
             "low_rank": watch.low_rank, "start_step": watch.start_step, "t": getattr(m, "t", None),
             "ranks": getattr(m, "ranks", None), "role": getattr(m, "role", None), "group": m.topo.group.ranks,
             "params": strategy.param_count, "line": strategy.bytes_line(STEPS)}
@@ -182,12 +196,14 @@ def _world(ckpt_dir: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore", ".*(sync_dist|LeafSpec|isinstance).*")
     out = {"ab": _fit("ab", ckpt_dir=ckpt_dir, **AB)}
     dist.barrier()
-    first = os.path.join(ckpt_dir, f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
+    first, second = (os.path.join(ckpt_dir, f"epoch={e}-step={(e + 1) * STEPS_PER_EPOCH}.ckpt") for e in (0, 1))
     if dist.get_rank() == 0:
-        saved = torch.load(first, weights_only=False)[CHECKPOINT_KEY]
-        out["checkpoint"] = {"method": saved["method"], "workers": len(saved["workers"]),
-                             "steps": [w["method"]["t"] for w in saved["workers"]]}
+        saved = torch.load(first, weights_only=False)
+        method = saved["optimizer_states"][0]["abtrain"]
+        out["checkpoint"] = {"keys": sorted(saved), "method": method["method"], "writer": method["writer"]["rank"],
+                             "t": method["state"]["t"]}
     out["resumed"] = _fit("ab", resume=first, **AB)
+    out["resumed_again"] = _fit("ab", resume=second, **AB)
     out["own"] = _own_loop()
     out["ddp"] = _fit("ddp")
     out["others"] = {name: _fit(name, **options) for name, (options, _) in OTHERS.items()}
@@ -275,14 +291,24 @@ def test_validation_between_micro_batches_is_refused(world):
         assert r["refused"].startswith("validation fell between two micro-batches of one optimizer step")
 
 
-def test_resume_from_a_checkpoint_continues_bit_for_bit(world):
-    assert world[0]["checkpoint"] == {"method": "ab", "workers": WORLD, "steps": [STEPS_PER_EPOCH] * WORLD}
+def test_rank0s_checkpoint_resumes_every_worker(world):
+    # Lightning's file as rank 0 writes it: one model and optimizer, the method's state in the optimizer's
+    saved = world[0]["checkpoint"]
+    assert "abtrain" not in saved["keys"] and (saved["method"], saved["writer"], saved["t"]) == ("ab", 0, 6)
+    # from the warm-up, where the workers hold one state: the uninterrupted run, bit for bit
     for r in world:
-        assert r["resumed"]["start_step"] == STEPS_PER_EPOCH
+        assert r["resumed"]["start_step"] == STEPS_PER_EPOCH and not r["resumed"]["gives_up"]
         assert r["resumed"]["t"] == r["ab"]["t"] == STEPS
         assert r["resumed"]["ranks"] == r["ab"]["ranks"]
         assert r["resumed"]["rows"] == r["ab"]["rows"]
         assert all(torch.equal(r["resumed"]["export"][k], r["ab"]["export"][k]) for k in r["ab"]["export"])
+    # right after a decomposition: every worker goes on, rank 0 says what the B-workers give up, one model at the end
+    runs = [r["resumed_again"] for r in world]
+    assert len(runs[0]["gives_up"]) == 1 and "the B-groups' optimizer state of B" in runs[0]["gives_up"][0]
+    for run in runs:
+        assert run["start_step"] == 2 * STEPS_PER_EPOCH and run["t"] == STEPS
+        assert all(torch.equal(run["export"][k], runs[0]["export"][k]) for k in runs[0]["export"])
+    assert not any(run["gives_up"] for run in runs[1:])
 
 
 def test_the_strategy_refuses_what_it_cannot_run(tmp_path):
@@ -291,8 +317,8 @@ def test_the_strategy_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="does not run 'streaming-diloco'"):
         AbtrainStrategy("streaming-diloco")
     path = tmp_path / "other.ckpt"
-    torch.save({"state_dict": {}, CHECKPOINT_KEY: {"method": "localsgd", "world_size": 4, "workers": []}}, path)
-    with pytest.raises(ValueError, match="written by 'localsgd' on 4 workers, this run trains 'ab' on 1: resume it"):
+    torch.save({"state_dict": {}, "optimizer_states": [{"abtrain": {"method": "localsgd"}}]}, path)
+    with pytest.raises(ValueError, match="written by 'localsgd', this run trains 'ab': resume it with the method"):
         AbtrainStrategy("ab").load_checkpoint(path)
 
 

@@ -5,6 +5,7 @@ optimizer's state_dicts, and no DistributedDataParallel whose bytes the ledger c
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -331,6 +332,7 @@ def _torchrun(*args: str) -> str:
     return p.stdout
 
 
+@pytest.mark.timeout(360)  # five runs of the script under torchrun
 def test_habits_script_clips_keeps_low_rank_accumulates_and_resumes_to_the_same_bits(tmp_path):
     whole = tmp_path / "whole.pt"
     out = _torchrun(*QUICK, "--out", str(whole))
@@ -338,14 +340,24 @@ def test_habits_script_clips_keeps_low_rank_accumulates_and_resumes_to_the_same_
     run = torch.load(whole)
     assert run["low_rank"] >= 2 and run["results"]["compression_ratio"] > 1  # compiled, and still low rank
     assert max(run["applied"]) <= 0.5 * (1 + 1e-5)  # clipping holds in every phase
-    # Stopped after a checkpoint and resumed from the model's and the optimizer's state_dicts: the same bits.
-    _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "ckpt"), "--stop-after", "20")
+    # Stopped after a checkpoint (4 steps after a sync) and resumed from the model's and the optimizer's
+    # state_dicts: from each worker's own file, the same bits; from rank 0's file, which every worker loads, a run
+    # that ends as well, rank 0 saying once what the resume gave up.
+    _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "ckpt"), "--stop-after", "20", "--per-rank")
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt0")  # a resumed run checkpoints too: one copy each
     resumed = tmp_path / "resumed.pt"
-    _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "ckpt"), "--resume", "--out", str(resumed))
+    _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "ckpt"), "--resume", "--per-rank", "--out", str(resumed))
     again = torch.load(resumed)
     for key, value in run["weights"].items():
         assert torch.equal(again["weights"][key], value), key
     assert again["results"]["comm"]["wire_bytes"] == run["results"]["comm"]["wire_bytes"]
+    from_rank0 = tmp_path / "from_rank0.pt"
+    said = _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "ckpt0"), "--resume", "--out", str(from_rank0))
+    assert said.count("a worker resuming from it in place of its own gives up every other group's 4 AB steps "
+                      "since step 16") == 1
+    other = torch.load(from_rank0)
+    assert other["results"]["steps"] == run["results"]["steps"] and other["low_rank"] == run["low_rank"]
+    assert other["accuracy"] > run["accuracy"] - 0.05  # the B-groups' 4 steps cost no accuracy worth the name
     # One micro-batch per step instead of two: the same bytes (no_sync() sends nothing).
     single = tmp_path / "single.pt"
     _torchrun(*QUICK, "--accumulate", "1", "--out", str(single))

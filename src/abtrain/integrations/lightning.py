@@ -17,9 +17,9 @@ The user's page is ``docs/lightning.md``. What the strategy does, in the order L
 * validation during fit: ``method.consensus()`` first, so every worker evaluates one model.
 * ``on_train_end``: ``method.detach()`` (the last sync or average) and ``consensus()``; rank 0 says
   the bytes sent by phase. ``teardown``: ``method.close()``.
-* checkpoints: the workers of AB-training or local SGD hold different models and optimizer states
-  between syncs, so every worker's own state is gathered into rank 0's file under ``"abtrain"``;
-  on resume each worker takes its own.
+* checkpoints: Lightning's own, written by rank 0; the method's state travels in the optimizer's
+  (``optimizer_states[0]["abtrain"]``), and on resume every worker loads it after the optimizer's: exactly
+  where the workers agree, else from what they share (:meth:`abtrain.Method.restore`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 try:
@@ -42,7 +41,6 @@ except ImportError as exc:  # the optional extra
 
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities import move_data_to_device
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -50,12 +48,10 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from ..api import setup as setup_method
 from ..methods import Method, registry
+from ..methods.resume import STATE_KEY
 from ..methods.summary import ddp_equivalent, human_bytes
 
-__all__ = ["CHECKPOINT_KEY", "AbtrainStrategy"]
-
-#: The key of a Lightning checkpoint that holds every worker's own state.
-CHECKPOINT_KEY = "abtrain"
+__all__ = ["AbtrainStrategy"]
 
 UNSUPPORTED = {
     "streaming-diloco": "its workers never all hold one model between two outer steps, and validation and "
@@ -110,7 +106,6 @@ class AbtrainStrategy(DDPStrategy):
         self.param_count = 0
         self._closed = False
         self._accumulating = False  # a micro-batch's gradient waits for the next ones
-        self._restored: dict[str, Any] | None = None  # this worker's part of the checkpoint being restored
 
     # -- setup -------------------------------------------------------------------------------------
     @property
@@ -218,54 +213,27 @@ class AbtrainStrategy(DDPStrategy):
         super().teardown()
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str],
-                        storage_options: Any | None = None) -> None:
-        if self.method is not None:
-            checkpoint = self._with_every_worker(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def _with_every_worker(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0's checkpoint with every worker's own state under CHECKPOINT_KEY (collective: every worker saves)."""
-        assert self.method is not None
-        own: dict[str, Any] = {"method": self.method.state_dict(), "ledger": self.method.comm.ledger.state_dict()}
-        if not self.is_global_zero:  # rank 0's model and optimizer are the file's own keys
-            own.update({key: checkpoint[key] for key in ("state_dict", "optimizer_states") if key in checkpoint})
-        own = move_data_to_device(own, torch.device("cpu"))
-        workers: list[Any] | None = [own]
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            workers = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(own, workers, dst=0)
-        if not self.is_global_zero:
-            return checkpoint
-        return {**checkpoint, CHECKPOINT_KEY: {"method": self.method.name, "world_size": self.world_size,
-                                               "workers": workers}}
-
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
                         weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._restored = None
-        if self.method is None or self._closed:  # evaluation: this worker's model, no method to restore
-            own = self._own_part(checkpoint, checkpoint_path) if CHECKPOINT_KEY in checkpoint else {}
-        else:
-            own = self._restored = self._own_part(checkpoint, checkpoint_path)
-        checkpoint.update({key: own[key] for key in ("state_dict", "optimizer_states") if key in own})
+        saved = self._method_state(checkpoint)
+        name = self.method.name if self.method is not None else self.method_name
+        if saved is not None and saved.get("method") != name:
+            raise ValueError(f"{checkpoint_path} was written by {saved.get('method')!r}, this run trains {name!r}: "
+                             f"resume it with the method that wrote it")
         return checkpoint
 
-    def _own_part(self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        name = self.method.name if self.method is not None else self.method_name
-        if saved is None:
-            raise ValueError(f"{path} was not written by AbtrainStrategy: it lacks each worker's state; start the "
-                             f"run afresh or resume it with the strategy that wrote it")
-        if saved["method"] != name or saved["world_size"] != self.world_size:
-            raise ValueError(f"{path} was written by {saved['method']!r} on {saved['world_size']} workers, this run "
-                             f"trains {name!r} on {self.world_size}: resume it with the same method and workers")
-        return saved["workers"][self.global_rank]
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """The optimizer's state, then the method's that travels in it (the method attaches later, when training
+        starts): rank 0's file resumes every worker (:meth:`abtrain.Method.restore`)."""
+        super().load_optimizer_state_dict(checkpoint)
+        saved = self._method_state(checkpoint)
+        if self.method is not None and not self._closed and saved is not None:
+            self.method.restore(saved, self.optimizers[0])
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self._restored is not None:
-            assert self.method is not None
-            self.method.load_state_dict(self._restored["method"])  # after the model, whose state holds AB's factors
-            self.method.comm.ledger.load_state_dict(self._restored["ledger"])
-            self._restored = None
+    @staticmethod
+    def _method_state(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The method's state in the checkpoint's first optimizer state (saved while the method was attached)."""
+        states = checkpoint.get("optimizer_states") or [{}]
+        saved = states[0].get(STATE_KEY) if isinstance(states[0], Mapping) else None
+        return saved if isinstance(saved, dict) else None

@@ -18,6 +18,7 @@ from ..comm.topology import Topology
 from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner, plain_state_dict
 from .memory import (dense_training_state_bytes, moments_per_element, peak_state_total, scalar_state_bytes,
                      training_state_parts)
+from .resume import dcp_call
 from .summary import ddp_equivalent, method_lines
 
 log = logging.getLogger(__name__)
@@ -161,13 +162,9 @@ class Method(LoopContract):
         return self._attached is not None
 
     def _pre_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._awaiting_state:
-            self._awaiting_state = False
-            if self.topo.rank == 0:
-                log.warning("abtrain: a state_dict was loaded into the prepared model after attach(), but no %s "
-                            "state came with it: the method goes on from its step %d, not the checkpoint's. Load "
-                            "the optimizer's state_dict (saved while attached: it carries the method's) after "
-                            "attach(); starting weights load before attach()", self.name, self.steps)
+        if dcp_call():  # torch.distributed.checkpoint's step with zero gradients, to create the optimizer's state
+            return
+        self._check_resume()
         self.before_step(optimizer)
         # What the optimizer uses in this step, after any change the method made (AB's LR ramp).
         self.last_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -178,6 +175,8 @@ class Method(LoopContract):
         self._measure_steps = 2
 
     def _post_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if dcp_call():
+            return
         phase = self.phase
         self.after_step(optimizer)
         self._reduced = False

@@ -40,6 +40,7 @@ from ..compress.dct import MAX_CHUNK_ELEMENTS, DCTTopKCodec, scatter_mean
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register
+from .resume import Writer
 
 
 MOMENTUM_RULES = ("paper", "reference")
@@ -76,6 +77,7 @@ class DeMo(GradientMethod):
 
     name = "demo"
     averages_gradients = False
+    own_state = ("momentum",)
 
     def __init__(self, comm: Communicator, topo: Topology, config: DeMoConfig | None = None,
                  **options: Any) -> None:
@@ -142,6 +144,15 @@ class DeMo(GradientMethod):
         self.t = state["t"]
         for m, saved in zip(self.momentum.split(self.numels), state["momentum"]):
             m.copy_(saved.reshape(-1))
+
+    def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
+        """Another worker's state: its momentum (what it has not sent of its own gradients) is its own; this
+        worker's starts at zero."""
+        self.t = state["t"]
+        self.momentum.zero_()
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        return ["every other worker's DeMo momentum"] if state["t"] else []
 
 
 register(MethodSpec("demo", DeMo, "DeMo", "decoupled momentum: each worker's momentum stays local, its top-k DCT "

@@ -28,6 +28,7 @@ from ..comm.topology import Topology
 from ..validate import Options, opt
 from .periodic import PeriodicMethod
 from .registry import MethodSpec, register
+from .resume import Writer
 
 
 @dataclass
@@ -91,6 +92,7 @@ class DiLoCo(PeriodicMethod):
     name = "diloco"
     local_phase, sync_phase = "inner", "outer"
     count_names = ("outer_steps", "last_outer")
+    optimizer_apart = "inner optimizer state"
 
     def __init__(self, comm: Communicator, topo: Topology, config: DiLoCoConfig | None = None,
                  **options: Any) -> None:
@@ -127,6 +129,17 @@ class DiLoCo(PeriodicMethod):
         assert self.outer is not None, "prepare() first"
         super().load_state_dict(state)
         self.outer.load_state_dict(state)
+
+    def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
+        """Another worker's state: the global model and the outer optimizer's, and the inner steps since the last
+        outer step given up: the local model starts again from the global one."""
+        assert self.module is not None and self.outer is not None, "prepare() first"
+        self.load_state_dict(state)
+        self.outer.merge(list(self.module.parameters()))
+
+    def apart_since(self, steps: int, since: int, writer: Writer) -> str:
+        return (f"every other worker's {steps} inner steps since the outer step at step {since} (they go on from the "
+                f"global model)")
 
 
 register(MethodSpec("diloco", DiLoCo, "DiLoCo", "H inner steps of the chosen optimizer (AdamW recommended), then an "

@@ -32,6 +32,7 @@ from ..compress.topk import TopKCodec
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register
+from .resume import Writer
 
 
 @dataclass
@@ -51,6 +52,7 @@ class EF21(GradientMethod):
     """EF21 with a per-tensor top-k compressor (phases ``warmup`` then ``train``)."""
 
     name = "ef21"
+    own_state = ("local",)
 
     def __init__(self, comm: Communicator, topo: Topology, config: EF21Config | None = None,
                  **options: Any) -> None:
@@ -108,6 +110,19 @@ class EF21(GradientMethod):
         self.t = state["t"]
         self.local.copy_(state["local"])
         self.estimate.copy_(state["estimate"])
+
+    def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
+        """Another worker's state: g, the same everywhere, taken; this worker's g_i rebuilt so that the mean of
+        every worker's stays g (EF21 adds the mean of the changes to g, so a gap would stay for good): where the
+        writer is in this world and keeps its own, (p·g − g_writer)/(p − 1) on the others, else g."""
+        p = self.topo.world_size
+        estimate = state["estimate"]
+        local = ((estimate * p - state["local"]) / (p - 1) if writer.same_layout(self.topo) and p > 1 else estimate)
+        self.load_state_dict({**state, "local": local})
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        return ["every other worker's own gradient estimate g_i (rebuilt from the shared one, so that their mean "
+                "stays the estimate the optimizer sees)"] if state["t"] else []
 
 
 register(MethodSpec("ef21", EF21, "EF21", "error feedback (EF21) with a top-k compressor: k values and k indices per "

@@ -31,6 +31,7 @@ from ..comm.topology import Topology
 from ..validate import Options, opt
 from .base import optimizer_moments
 from .periodic import PeriodicMethod
+from .resume import Writer
 from .registry import MethodSpec, register
 
 
@@ -50,6 +51,7 @@ class HLocalSGD(PeriodicMethod):
 
     name = "hlocalsgd"
     averages_gradients = True
+    optimizer_apart = None  # averaged at every meeting, and the same inside a group between them
 
     def __init__(self, comm: Communicator, topo: Topology, config: HLocalSGDConfig | None = None,
                  **options: Any) -> None:
@@ -74,6 +76,10 @@ class HLocalSGD(PeriodicMethod):
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
         super().finalize(optimizer)
+
+    def apart_since(self, steps: int, since: int, writer: Writer) -> str:
+        return (f"every other group's {steps} steps since step {since} (they go on from group {writer.group}'s model "
+                f"and optimizer state)")
 
     def synchronize(self) -> None:
         """Average parameters, float buffers and optimizer moments over all workers (one collective per dtype)."""

@@ -25,13 +25,13 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._version import __version__
+from . import resume
+from .resume import HELD, STATE_KEY, Writer, dcp_call
 
 log = logging.getLogger(__name__)
 
-#: the key under which the attached optimizer's ``state_dict()`` carries the method's state
-STATE_KEY = "abtrain"
-#: the layout of that state (the unnumbered one before counts as 1); an abtrain loads its own layout only, and
-#: names the abtrain that wrote any other
+#: the layout of that state (the unnumbered one before counts as 1; 3 names the worker that wrote it); an abtrain
+#: loads its own layout only, and names the abtrain that wrote any other
 STATE_VERSION = 3
 
 
@@ -128,6 +128,9 @@ def ddp_calling(module: nn.Module, depth: int = 40) -> DistributedDataParallel |
     return None
 
 
+HELD_ALONE = ("the model's state_dict was saved by torch.distributed.checkpoint with some tensors in the optimizer's "
+              "state (those of each worker's own, and AB-training's factors): load {\"model\": model, \"optim\": opt} "
+              "together, after method.attach(opt)")
 DDP_AROUND = ("the model prepare() returned is wrapped in DistributedDataParallel, whose all-reduces the ledger "
               "cannot count (and which fight the method's own averaging): drop the DDP wrapper and call the model "
               "prepare() returned; method.no_sync() replaces DDP's no_sync()")
@@ -136,7 +139,17 @@ DDP_AROUND = ("the model prepare() returned is wrapped in DistributedDataParalle
 class LoopContract:
     """The part of :class:`~abtrain.methods.base.Method` that keeps DDP's contract in a user's loop: the average
     at the end of backward, ``no_sync()``, the first training forward (eager, no DDP around it) and the method's
-    state in the optimizer's state_dict. Its attributes are set by ``Method.__init__``."""
+    state in the optimizer's state_dict, from which any worker resumes (:mod:`.resume`). Its attributes are set
+    by ``Method.__init__``."""
+
+    #: dotted paths of the entries of :meth:`state_dict` that are this worker's own (its error memories...), the
+    #: others being the same on every worker
+    own_state: tuple[str, ...] = ()
+    _plain_state = False  # the module's state_dict as it is, whoever asks (the method reads it itself)
+    _dcp_every_worker = False  # a torch.distributed.checkpoint being loaded holds every worker's own part
+    _just_restored = False  # the method's state was restored since the last step (a model loaded now goes with it)
+    _held_loaded = False  # a model state_dict whose placeholders wait for the optimizer's state (DCP's form)
+    _resume_check: Any = None  # the forward pre-hook that checks, at the next training forward, what was loaded
 
     name: str
     averages_gradients: bool
@@ -153,6 +166,7 @@ class LoopContract:
     _forward_hook: Any
     _loaded_state: dict[str, Any] | None
     _awaiting_state: bool
+    say: Callable[[str], None]
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients (the method's own; a no-op by default)."""
@@ -165,12 +179,15 @@ class LoopContract:
 
     def _hook_module(self, model: nn.Module) -> None:
         """What the prepared module does for the method: its first training forward runs eagerly and checks that no
-        DistributedDataParallel calls it; a state loaded into it while attached expects the method's state too."""
+        DistributedDataParallel calls it; a state loaded into it while attached expects the method's state too;
+        under torch.distributed.checkpoint its state_dict leaves some tensors to the optimizer's (:mod:`.resume`)."""
         if self._forward_hook is None:
             self._first_forward.start()
             self._forward_hook = model.register_forward_pre_hook(self._first_training_forward)
             # torch marks the hooks it is given with an attribute, which a bound method cannot take: wrap them
-            model.register_load_state_dict_post_hook(functools.partial(LoopContract._model_loaded, self))
+            model.register_load_state_dict_post_hook(functools.partial(self._model_loaded))
+            model.register_state_dict_post_hook(functools.partial(LoopContract._model_state_dict, self))
+            model.register_load_state_dict_pre_hook(functools.partial(LoopContract._model_loading, self))
 
     def _first_training_forward(self, module: nn.Module, args: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -189,22 +206,100 @@ class LoopContract:
         handle.append(module.register_forward_hook(finished, always_call=True))
 
     def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
-        if self._attached is not None:
-            self._awaiting_state = True  # a resume: the optimizer's state_dict should bring the method's (_pre_step)
+        # a resume: the optimizer's state_dict should bring the method's (_pre_step), unless it came just before
+        # (torch's set_state_dict loads the optimizer first)
+        if self._attached is not None and not self._just_restored:
+            self._awaiting_state = True
+            self._arm_resume_check()
+
+    # -- the method's state in the optimizer's state_dict (:mod:`.resume`) ------------------------------------------
+    def dcp_split(self) -> tuple[set[str], set[str]]:
+        """(own, held): keys of the module's state_dict whose tensors, and the optimizer's state of them, are this
+        worker's own now, and keys whose tensors change shape. Under torch.distributed.checkpoint both travel in
+        the optimizer's state (own: one copy per worker; held: once). Default: the floating-point buffers are
+        own (BatchNorm statistics stay per worker under DDP-like steps)."""
+        assert self.module is not None, "prepare() first"
+        return resume.float_buffer_names(self.module), set()
+
+    def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
+        """Load a state another worker wrote (rank 0's checkpoint, loaded by every worker), after the model's and
+        the optimizer's: taken as it is by default, which is right where every worker holds the same state; a
+        method with state of each worker's own takes what the workers share and rebuilds the rest."""
+        self.load_state_dict(state)
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        """What a worker that adopts ``state`` loses against its own state, as phrases of rank 0's line (none: it
+        resumes exactly). ``optimizer`` holds the writer's optimizer state."""
+        return []
+
+    def check_loaded_model(self) -> None:
+        """A state_dict was loaded into the prepared model while attached and no method state followed it: raise
+        a ValueError where training on would be wrong (by default it goes on, and rank 0 says so)."""
+
+    def _plain_module_state(self) -> dict[str, Any]:
+        """The module's state_dict, whatever form torch.distributed.checkpoint would get."""
+        assert self.module is not None, "prepare() first"
+        self._plain_state = True
+        try:
+            return self.module.state_dict()
+        finally:
+            self._plain_state = False
+
+    def _model_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+        """Under torch.distributed.checkpoint: :data:`~.resume.HELD` in place of the tensors the optimizer's state
+        carries (saving: this worker's own and those that change shape; loading: those that change shape, so that
+        a tensor of the model of the checkpoint's shape receives what was saved as a tensor)."""
+        kind = None if self._plain_state or self._attached is None else dcp_call()
+        if kind is None:  # detached, the optimizer's state_dict carries nothing of the method's: the tensors stay
+            return
+        own, held = self.dcp_split()
+        for name in (own | held) if kind == "save" else held:
+            if prefix + name in state:
+                state[prefix + name] = HELD
+
+    def _model_loading(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Loading: a placeholder keeps what the module holds (the optimizer's state brings the saved value)."""
+        held = [k for k, v in state.items() if k.startswith(prefix) and isinstance(v, str) and v == HELD]
+        if held:
+            if self._attached is None:
+                raise ValueError(HELD_ALONE)
+            self._held_loaded = not self._just_restored
+            if self._held_loaded:
+                self._arm_resume_check()
+            current = self._plain_module_state()
+            for key in held:
+                state[key] = current[key[len(prefix):]]
 
     def _save_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        state[STATE_KEY] = {"version": STATE_VERSION, "abtrain": __version__, "method": self.name,
-                            "state": self.state_dict(), "steps": self.steps, "ledger": self.comm.ledger.state_dict()}
+        kind = dcp_call()
+        if kind == "load":  # a template for torch.distributed.checkpoint.load: the keys to read, nothing to save
+            resume.dcp_template(self, state)
+            return
+        section = {"version": STATE_VERSION, "abtrain": __version__, "method": self.name,
+                   "writer": Writer.of(self.topo).to_dict(), "state": self.state_dict(), "steps": self.steps,
+                   "ledger": self.comm.ledger.state_dict()}
+        if kind is None:
+            state[STATE_KEY] = section
+        else:
+            resume.to_dcp(self, optimizer, state, section)
 
     def _take_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         state = dict(state)  # the caller's dict stays as it was
         self._loaded_state = state.pop(STATE_KEY, None)
+        groups = state.get("param_groups")
+        if groups and isinstance(groups[0], dict) and STATE_KEY in groups[0]:  # torch.distributed.checkpoint's form
+            state, self._loaded_state = resume.from_dcp(self, state)
         return state
 
     def _restore_state(self, optimizer: torch.optim.Optimizer) -> None:
         saved, self._loaded_state = self._loaded_state, None
-        if saved is None:
-            return
+        if saved is not None:
+            self.restore(saved, optimizer)
+
+    def restore(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Resume from the method's part of an optimizer's state_dict (``state_dict()["abtrain"]``), after the
+        model's state_dict and the optimizer's own were loaded: this worker's own state exactly, another worker's
+        by :meth:`adopt_state`; rank 0 says in one line what a worker adopting this state gives up."""
         if saved.get("version") != STATE_VERSION:
             raise ValueError(f"the optimizer's state_dict carries abtrain's method state in layout "
                              f"{saved.get('version')!r}, this abtrain ({__version__}) reads layout {STATE_VERSION}: "
@@ -212,11 +307,48 @@ class LoopContract:
         if saved["method"] != self.name:
             raise ValueError(f"the checkpoint was saved by method {saved['method']!r}, this run uses "
                              f"{self.name!r}: resume with the method that wrote it")
-        self.load_state_dict(saved["state"])
+        writer = Writer.from_dict(saved["writer"])
+        phrases = self.given_up(saved["state"], optimizer, writer) if self.topo.rank == 0 else []
+        if writer.is_worker(self.topo):
+            self.load_state_dict(saved["state"])
+        else:
+            self.adopt_state(saved["state"], optimizer, writer)
         self.steps = saved["steps"]
         self.comm.ledger.load_state_dict(saved["ledger"])
-        self._awaiting_state = False
+        self._awaiting_state = self._held_loaded = False
+        self._just_restored = True
         self._resumed()
+        if phrases and not self._dcp_every_worker:
+            self.say(resume.resume_line(self.name, self.steps, writer, phrases))
+        self._dcp_every_worker = False
+
+    def _arm_resume_check(self) -> None:
+        """Check at the next training forward (before the step's first collective, so that no worker that refuses
+        leaves the others waiting) what was loaded into the model, unless the method's state follows first."""
+        if self._resume_check is None and self.module is not None:
+            self._resume_check = self.module.register_forward_pre_hook(self._forward_check)
+
+    def _forward_check(self, module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._resume_check.remove()
+            self._resume_check = None
+            self._check_resume()
+
+    def _check_resume(self) -> None:
+        """The first training forward or step after a state_dict was loaded into the model while attached, with no
+        method state after it: a ValueError where going on would be wrong, else a warning on rank 0."""
+        self._just_restored = False
+        if self._held_loaded:
+            self._held_loaded = self._awaiting_state = False
+            raise ValueError(HELD_ALONE)
+        if self._awaiting_state:
+            self._awaiting_state = False
+            self.check_loaded_model()
+            if self.topo.rank == 0:
+                log.warning("abtrain: a state_dict was loaded into the prepared model after attach(), but no %s "
+                            "state came with it: the method goes on from its step %d, not the checkpoint's. Load "
+                            "the optimizer's state_dict (saved while attached: it carries the method's) after "
+                            "attach(); starting weights load before attach()", self.name, self.steps)
 
     def _resumed(self) -> None:
         """Runs after the method's state was restored from a checkpoint (the method may re-arm its hooks)."""

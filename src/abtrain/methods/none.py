@@ -9,6 +9,7 @@ import torch
 
 from .base import Method
 from .registry import MethodSpec, register
+from .resume import Writer
 
 
 class NoCommunication(Method):
@@ -59,6 +60,16 @@ class NoCommunication(Method):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.t = int(state.get("t", 0))
+
+    def dcp_split(self) -> tuple[set[str], set[str]]:
+        """Every parameter and its optimizer state are this worker's own."""
+        assert self.module is not None, "prepare() first"
+        own, held = super().dcp_split()
+        return own | {name for name, _ in self.module.named_parameters(remove_duplicate=False)}, held
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        return [f"every other worker's own model and optimizer state (they go on from rank {writer.rank}'s)"
+                ] if state.get("t") else []
 
     def extra_results(self) -> dict[str, Any]:
         return {"evaluation": "per-worker models, metrics summed over the workers' test shards"}

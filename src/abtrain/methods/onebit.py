@@ -43,6 +43,7 @@ from ..compress.sign import SignCodec
 from ..validate import Options, opt
 from .gradient import GradientMethod
 from .registry import MethodSpec, register
+from .resume import Writer
 
 
 @dataclass
@@ -62,6 +63,7 @@ class OneBit(GradientMethod):
     """1-bit gradients with worker and server error feedback (phases ``warmup`` then ``train``)."""
 
     name = "onebit"
+    own_state = ("worker_error", "server_error")
 
     def __init__(self, comm: Communicator, topo: Topology, config: OneBitConfig | None = None,
                  **options: Any) -> None:
@@ -115,6 +117,16 @@ class OneBit(GradientMethod):
         self.t = state["t"]
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
+
+    def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
+        """Another worker's state: its error memories are its own (and sized for its world); this worker's start
+        at zero, as at the end of the warm-up."""
+        self.t = state["t"]
+        self.worker_error.zero_()
+        self.server_error.zero_()
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        return ["every other worker's 1-bit error memories"] if state["t"] > self.cfg.warmup_steps else []
 
 
 register(MethodSpec("onebit", OneBit, "1-bit", "sign compression with worker and server error feedback and one scale "

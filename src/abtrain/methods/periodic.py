@@ -12,6 +12,7 @@ import torch
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
 from .base import Method
+from .resume import Writer, has_state, optimizer_params
 
 
 class PeriodicMethod(Method):
@@ -36,6 +37,9 @@ class PeriodicMethod(Method):
     count_names = ("averages", "last_average")
     #: a synchronization averages the floating-point buffers too (consensus then need not)
     syncs_buffers = True
+    #: what the optimizer's state is called in rank 0's resume line where it stays per worker (None: the
+    #: meetings average it)
+    optimizer_apart: str | None = "optimizer state"
     cfg: Any
 
     def __init__(self, comm: Communicator, topo: Topology, h: int, fragments: int = 1) -> None:
@@ -115,3 +119,21 @@ class PeriodicMethod(Method):
         self.t = state["t"]
         self.syncs = state[self.count_names[0]]
         self.last_sync = list(last) if isinstance(last, list) else [last]
+
+    def dcp_split(self) -> tuple[set[str], set[str]]:
+        """Every parameter and its optimizer state are this worker's own between meetings."""
+        assert self.module is not None, "prepare() first"
+        own, held = super().dcp_split()
+        return own | {name for name, _ in self.module.named_parameters(remove_duplicate=False)}, held
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        last = state[self.count_names[1]]
+        since = min(last) if isinstance(last, list) else last
+        out = [self.apart_since(state["t"] - since, since, writer)] if state["t"] > since else []
+        if self.optimizer_apart and has_state(optimizer, optimizer_params(optimizer)):
+            out.append(f"every other worker's {self.optimizer_apart} (they take rank {writer.rank}'s)")
+        return out
+
+    def apart_since(self, steps: int, since: int, writer: Writer) -> str:
+        """The phrase of rank 0's resume line for the ``steps`` the workers trained apart since step ``since``."""
+        return f"every other worker's {steps} local steps since step {since} (they go on from rank {writer.rank}'s model)"

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
 from ..compress.powersgd import PowerSGDReducer
@@ -33,6 +35,7 @@ from ..compress.wire import WIRE_DTYPES
 from ..validate import Options, opt
 from .ddp import DDPMethod
 from .registry import MethodSpec, register
+from .resume import Writer
 
 
 @dataclass
@@ -65,6 +68,7 @@ class PowerSGD(DDPMethod):
     """
 
     name = "powersgd"
+    own_state = ("compressor.errors",)
 
     def __init__(self, comm: Communicator, topo: Topology, config: PowerSGDConfig | None = None,
                  bucket_cap_mb: float = 25.0, use_error_feedback: bool = True, warm_start: bool = True,
@@ -101,6 +105,14 @@ class PowerSGD(DDPMethod):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter = state["iter"]
         self.compressor.load_state_dict(state["compressor"])
+
+    def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
+        """Another worker's state: the warm-start Qs and the random stream are everyone's; the error memories
+        (what its own gradients lost) are its own: this worker's start empty."""
+        self.load_state_dict({**state, "compressor": {**state["compressor"], "errors": {}}})
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        return ["every other worker's PowerSGD error memories"] if state["compressor"]["errors"] else []
 
 
 register(MethodSpec("powersgd", PowerSGD, "PowerSGD", "PowerSGD on DDP's gradient buckets: rank-r compression with "

@@ -54,6 +54,7 @@ from ..validate import Options, opt
 from .diloco import OuterStep
 from .periodic import PeriodicMethod
 from .registry import MethodSpec, register
+from .resume import Writer
 
 
 PATTERNS = ("strided", "modules")
@@ -177,6 +178,7 @@ class StreamingDiLoCo(PeriodicMethod):
     local_phase, sync_phase = "inner", "outer"
     count_names = ("syncs", "last_sent")
     syncs_buffers = False  # an exchange carries parameters only: consensus averages the buffers
+    optimizer_apart = "inner optimizer state"
 
     def __init__(self, comm: Communicator, topo: Topology, config: StreamingDiLoCoConfig | None = None,
                  **options: Any) -> None:
@@ -293,6 +295,18 @@ class StreamingDiLoCo(PeriodicMethod):
                 g.copy_(saved)
         for o, saved in zip(self.outer, state["outer"]):
             o.optimizer.load_state_dict(saved)
+
+    def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
+        """Another worker's state: the global model and the outer optimizers', each fragment's inner steps since
+        its last outer step given up (the local model starts again from the global one; a pending merge of a
+        fragment then keeps it)."""
+        self.load_state_dict(state)
+        for f in range(len(self.outer)):
+            self.outer[f].merge(self._params(f))
+
+    def apart_since(self, steps: int, since: int, writer: Writer) -> str:
+        return (f"every other worker's inner steps since each fragment's last outer step ({steps} at most; they go "
+                f"on from the global model)")
 
 
 class _GlobalModel:

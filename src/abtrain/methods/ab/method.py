@@ -35,7 +35,7 @@ from ...comm.communicator import Communicator
 from ...comm.topology import Topology
 from ..base import Method
 from ..registry import MethodSpec, register
-from . import lowrank
+from . import checkpoint, lowrank
 from .buckets import OverlappedAverage
 from .compressor import build_sync_compressor
 from .config import ABConfig, check_topology, group_layout
@@ -180,6 +180,7 @@ class ABTraining(Method):
     # -- the hooks ----------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """A warm-up of 0 steps: decompose before the first forward."""
+        checkpoint.check_loaded_model(self)  # a model state_dict of low-rank layers loaded before, without ours
         self._optimizer = optimizer
         if self.state.t == 0 and self.phase_at(0) == "ab" and not self.state.ranks:
             self._decompose(optimizer, truncate=False)
@@ -363,28 +364,15 @@ class ABTraining(Method):
             "role": st.role,
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """The phase state, the gradient and sync compressors' memories. Factors, W and the layers' modes live in
-        the model's state_dict."""
-        return {**self.state.state_dict(), "output_searched": self.output.searched, "dense": self.dense.state_dict(),
-                "sync_compressor": self.compressor.state_dict() if self.compressor is not None else None,
-                "outer": self.syncer.outer.state_dict() if self.syncer.outer is not None else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore after the model's state_dict was loaded (it brings the factors and each layer's mode)."""
-        self.state.load_state_dict(state)
-        if state["output_searched"]:
-            self.output.stop()  # the output layer was looked for before the checkpoint
-        self.dense.load_state_dict(state["dense"])
-        if self.compressor is not None and state["sync_compressor"] is not None:
-            self.compressor.load_state_dict(state["sync_compressor"])
-        if self.syncer.outer is not None and state["outer"] is not None:
-            self.syncer.outer.load_state_dict(state["outer"])
-        # requires_grad is not part of a state_dict: derive it from the restored modes and this worker's role.
-        for fp in self.state.records:
-            lowrank.set_mode([fp], fp.mode)
-        lowrank.set_trainable(self.state.records, self.state.role)
-        self._watch_gradients()
+    # -- checkpoints: this worker's state, or another worker's adopted (:mod:`.checkpoint`) -----------------------
+    own_state = checkpoint.OWN_STATE
+    state_dict = checkpoint.state_dict
+    load_state_dict = checkpoint.load
+    adopt_state = checkpoint.adopt
+    given_up = checkpoint.given_up
+    dcp_split = checkpoint.dcp_split
+    check_loaded_model = checkpoint.check_loaded_model
+    _model_loaded = checkpoint.model_loaded
 
 
 register(MethodSpec("ab", ABTraining, "AB-training", "low-rank factors trained by independent groups, periodic sync "

@@ -62,16 +62,19 @@ class PhaseState:
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule position, ranks, timers and what the phase keeps; the factors live in the model's state_dict."""
-        return {"t": self.t, "switch_step": self.switch_step, "ranks": self.ranks, "role": self.role,
-                "kept": self.kept, "svd_seconds": self.svd_seconds, "sync_seconds": self.sync_seconds,
-                "syncs": self.syncs, "svd_counts": dict(self.svd_counts), "ratio": self.ratio,
-                "frozen": dict(self.frozen), "vectors": dict(self.bases)}
+        return {"t": self.t, "switch_step": self.switch_step, "agreed_at": self.agreed_at, "ranks": self.ranks,
+                "role": self.role, "kept": self.kept, "svd_seconds": self.svd_seconds,
+                "sync_seconds": self.sync_seconds, "syncs": self.syncs, "svd_counts": dict(self.svd_counts),
+                "ratio": self.ratio, "frozen": dict(self.frozen), "vectors": dict(self.bases)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This worker's own state (a worker that adopts another's hands its own role: :mod:`.checkpoint`)."""
         if state["role"] != self.role:
-            raise ValueError(f"checkpoint was written by a worker of role {state['role']}, this worker trains "
-                             f"{self.role}: the group layout differs (--group-size, number of workers)")
-        self.t, self.switch_step = state["t"], state["switch_step"]
+            raise ValueError(f"this AB-training state was saved by a worker that trains {state['role']}, this "
+                             f"worker trains {self.role}: load it with the optimizer's state_dict "
+                             f"(opt.load_state_dict, after the model's), which rebuilds this worker's own factors "
+                             f"from it")
+        self.t, self.switch_step, self.agreed_at = state["t"], state["switch_step"], state.get("agreed_at")
         self.ranks, self.kept, self.ratio = state["ranks"], list(state["kept"]), state["ratio"]
         self.svd_seconds, self.sync_seconds = state["svd_seconds"], state["sync_seconds"]
         self.syncs, self.svd_counts = int(state["syncs"]), dict(state["svd_counts"])

@@ -71,6 +71,9 @@ class LowRankWeight(nn.Module):
         self.apply: str = "weight"
         #: Why the layer is in its current mode; shown by :func:`log_decisions`.
         self.note: str = "not decomposed yet"
+        #: the factor the worker that saved the last state_dict loaded into the layer trained ("A", "B", "both";
+        #: None: none, or nothing loaded since the method took the state): whose split the factors are
+        self.loaded_trains: str | None = None
 
     @property
     def rank(self) -> int:
@@ -96,15 +99,25 @@ class LowRankWeight(nn.Module):
                 f"mode={self.mode}, rank={self.rank}")
 
     # The mode travels with the state_dict (key ``..._extra_state``) so a checkpoint
-    # restores both the factors and whether they are in use.
+    # restores both the factors and whether they are in use; and the factor trained, which says whose split of W
+    # the factors are (AB-training's A- and B-workers hold different ones).
     def get_extra_state(self) -> dict[str, Any]:
-        return {"mode": self.mode, "note": self.note, "transposed": self.transposed}
+        return {"mode": self.mode, "note": self.note, "transposed": self.transposed, "trains": self.trains}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("mode") not in _MODES:
             raise ValueError(f"low-rank layer state holds an unknown mode {state.get('mode')!r}")
         self.mode = state["mode"]
         self.note = str(state.get("note", self.note))
+        self.loaded_trains = state.get("trains")
+
+    @property
+    def trains(self) -> str | None:
+        """The factor that trains now: "A", "B", "both", or None (full mode, or both frozen)."""
+        if self.mode != "lowrank":
+            return None
+        a, b = self.A.requires_grad, self.B.requires_grad
+        return "both" if a and b else "A" if a else "B" if b else None
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         extra = state_dict.get(prefix + "_extra_state")
