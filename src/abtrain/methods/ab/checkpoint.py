@@ -4,9 +4,9 @@ What the workers share: the schedule's position, the ranks, the full-rank parame
 rebounds with their optimizer state, W's optimizer state, the warm start of the PowerSGD reducers, the outer
 step's momenta and starting points. What is a
 worker's own: during an AB phase the A-groups train A (B frozen), the B-groups B, from the split of one SVD
-W = U·σ·Vᵀ each role holds (the tangent split: A-workers (U·σ + ΔA, Vᵀ) keeping U, B-workers (U, σ·Vᵀ + ΔB)
-keeping Vᵀ, σ kept by both); the optimizer state of the factor a role trains; the full-rank phases' PowerSGD
-error memories (each worker's) and the low-rank sync's (each group's).
+W = U·σ·Vᵀ each role holds (the tangent split: A-workers (U·σ + ΔA, Vᵀ) keeping U, B-workers
+(U, σ·Vᵀ + ΔB) keeping Vᵀ, σ kept by both); the optimizer state of the factor a role trains; the full-rank
+phases' PowerSGD error memories (each worker's) and the low-rank sync's (each group's).
 
 A worker that adopts the state of another role rebuilds its own split of the phase's start from the writer's
 U, σ and Vᵀ (the tangent split's A·B at the phase start, bit for bit where W is float32), starts its factor's
