@@ -257,7 +257,8 @@ def _world(fashion_dir, root):
         trainer.run()
         states.append({"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
                        "accumulator": trainer.method.accumulator.clone(),
-                       "history": [{k: v for k, v in r.items() if k != "wall_seconds"} for r in trainer.history],
+                       "history": [{k: v for k, v in r.items() if k not in ("wall_seconds", "eval_seconds")}
+                                   for r in trainer.history],
                        "ledger": trainer.ledger.summary()["wire_bytes"], "step": trainer.step})
     out["resume"] = {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
     topo.close()
