@@ -331,6 +331,32 @@ def test_other_signals_end_a_run_as_sigterm_does(tmp_path, sig, moment):
     assert left_behind(proc.pid) == []
 
 
+SWALLOWED = """
+import os, signal, time
+from abtrain.run import interrupt
+interrupt.install()
+class Dropped:
+    def __del__(self):  # Python prints what a __del__ raises and goes on, as it does in the import system's callbacks
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(1000):
+            pass
+Dropped()
+try:
+    time.sleep(20)
+    print("lost")
+except KeyboardInterrupt as exc:
+    interrupt.acknowledge()
+    print("caught", interrupt.signal_of(exc))
+"""
+
+
+def test_an_interruption_raised_where_python_only_prints_it_is_delivered_again():
+    # A SIGHUP met while torch was being imported raised inside a weakref callback of the import system: Python
+    # printed the exception, and the run went on for ever. The signal is sent again until it is caught.
+    p = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert p.stdout.strip() == "caught SIGHUP" and p.stderr == "", (p.stdout, p.stderr)
+
+
 # -- 8: one line, and nothing after a kill -------------------------------------------------------------------
 def test_an_ab_divergence_at_its_first_sync_is_one_line(tmp_path):
     p = subprocess.run(CLI + JOB + ["--method", "ab", "--group-size", "1", "--steps", "12", "--ab-warmup-steps", "0",

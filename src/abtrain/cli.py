@@ -255,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
         return _main(argv)
     except KeyboardInterrupt as exc:  # before anything was started (a run's interruption is said by the launcher)
+        interrupt.acknowledge()
         print(f"abtrain: interrupted ({interrupt.signal_of(exc)})", file=sys.stderr, flush=True)
         return 130
     finally:

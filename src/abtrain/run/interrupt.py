@@ -14,7 +14,9 @@ be caught.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -32,6 +34,10 @@ def _terminating() -> tuple[int, ...]:
 #: The signals that end the command as SIGTERM does (see the module's docstring for those that are not handled).
 SIGNALS = _terminating()
 _received: list[int] = []
+#: set once the interruption was caught where the command says how it ended (:func:`acknowledge`)
+_acknowledged = threading.Event()
+#: seconds between deliveries of a signal whose interruption nobody caught yet
+REDELIVER_S = 0.5
 
 
 class Interrupted(KeyboardInterrupt):
@@ -53,10 +59,33 @@ def signal_name(signum: int) -> str:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _received:
+    if _received and (_received[0] == 0 or _acknowledged.is_set()):
         return  # the first one is being handled: stopping the workers and recording the run must finish
-    _received.append(signum)
-    raise Interrupted(signum)
+    if not _received:
+        _received.append(signum)
+        threading.Thread(target=_redeliver, args=(signum,), name="abtrain-interrupt", daemon=True).start()
+    raise Interrupted(_received[0])
+
+
+def _redeliver(signum: int) -> None:
+    """Send the signal again until its interruption is caught: an exception raised where Python only prints it
+    (a weakref callback of the import system, met while torch is being imported) would otherwise lose it."""
+    while not _acknowledged.wait(REDELIVER_S):
+        if _received and _received[0] == 0:
+            return  # a clean-up holds the signals
+        os.kill(os.getpid(), signum)
+
+
+def _unraisable(info: Any) -> None:
+    """An interruption raised where Python can only print it is not printed: it is delivered again."""
+    if not isinstance(info.exc_value, Interrupted):
+        sys.__unraisablehook__(info)
+
+
+def acknowledge() -> None:
+    """The interruption was caught where the command says how it ended: no more deliveries, later signals
+    ignored."""
+    _acknowledged.set()
 
 
 def install() -> dict[int, Any] | None:
@@ -65,7 +94,11 @@ def install() -> dict[int, Any] | None:
     command started (``nohup`` ignores SIGHUP) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    _received.clear()
+    if not _received or _acknowledged.is_set():  # an interruption nobody caught yet stays to be delivered
+        _received.clear()
+        _acknowledged.clear()
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _unraisable
     return reinstall()
 
 
@@ -109,6 +142,7 @@ def hold() -> None:
     """From now on, ignore :data:`SIGNALS` (routed here): a clean-up that must finish is under way."""
     if not _received:
         _received.append(0)
+    _acknowledged.set()
 
 
 def ignore_all() -> None:

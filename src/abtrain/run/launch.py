@@ -99,6 +99,7 @@ def train(cfg: TrainConfig, resume_dir: str | None = None) -> int:
     except KeyboardInterrupt as exc:
         if not started:
             raise  # nothing was started: the command says so
+        interrupt.acknowledge()
         return _interrupted(run_dir, "", world, interrupt.signal_of(exc))
     finally:
         lock.release()
@@ -311,12 +312,15 @@ def _launch_local(cfg: TrainConfig, run_dir: str, resume: bool = False) -> int:
         if result.is_failed():
             _failed(result.failures, run_dir, board, agent.signalled)
     except SignalException as exc:
+        interrupt.acknowledge()
         return _interrupted(run_dir, board, cfg.workers, signal_name(int(exc.sigval)))
     except KeyboardInterrupt as exc:
+        interrupt.acknowledge()
         return _interrupted(run_dir, board, cfg.workers, interrupt.signal_of(exc))
     except Exception:
         if not interrupt.received():
             raise
+        interrupt.acknowledge()
         # A signal landed while its own effect (the fork server or a worker gone) surfaced as this error: it is
         # the signal's (the handler of a second one returns without raising; see interrupt.hold).
         return _interrupted(run_dir, board, cfg.workers, interrupt.received_name())
