@@ -264,7 +264,7 @@ def plan(variant: str, args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     warm, steps = args.warm, args.steps
     if name == "powersgd":  # uncompressed steps, then compressed ones (the first of each phase is left out)
         start = warm + max(2, steps // 2)
-        return {**options, "start_iter": start}, start + steps + 1
+        return {**options, "warmup_steps": start}, start + steps + 1
     if name == "ab":  # warm-up steps, then --cycles syncs, each followed by a decomposition (and one at the end)
         warmup = warm + max(2, steps // 2) + 1  # the last warm-up step ends with the first decomposition
         last_sync = (warmup // args.cycle + args.cycles) * args.cycle  # syncs fall at multiples of the cycle
@@ -289,8 +289,8 @@ def default_phases(variant: str, run_steps: int) -> tuple[dict[str, int], dict[s
                                 "rebound_steps": sched.rebound, "describe": sched.describe()}
     if name == "powersgd":
         from abtrain.methods.powersgd import PowerSGDConfig
-        start = min(run_steps, PowerSGDConfig(**options).start_iter)
-        return {"warmup": start, "train": run_steps - start}, {}, {"start_iter": start}
+        start = min(run_steps, PowerSGDConfig(**options).warmup_steps)
+        return {"warmup": start, "train": run_steps - start}, {}, {"warmup_steps": start}
     if name in ("diloco", "streaming-diloco"):  # the inner steps; an outer step's arithmetic (a few vector
         return {"inner": run_steps}, {}, {}      # operations per parameter every H steps) is left out
     return {"local" if name == "none" else "train": run_steps}, {}, {}

@@ -226,7 +226,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
     bad_values = ["0", "-1", "-7", "abc", "nan", "inf", "1e400", "", "1.5"]
     positive_ints = ["--workers", "--batch-size", "--block-size", "--epochs", "--steps", "--eval-every", "--log-every",
                      "--group-size", "--threads", "--limit-train", "--limit-test", "--checkpoint-every", "--stop-after",
-                     "--ab-cycle-steps", "--localsgd-h", "--diloco-h", "--powersgd-rank"]
+                     "--ab-cycle-steps", "--localsgd-sync-every", "--diloco-sync-every", "--powersgd-rank"]
     positive_floats = ["--lr", "--timeout", "--bucket-cap-mb", "--grad-clip", "--diloco-outer-lr"]
     unit_interval = ["--momentum", "--label-smoothing", "--ab-tau", "--ab-rank-fraction",
                      "--diloco-outer-momentum"]
@@ -243,7 +243,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
     out += [base + [flag] for flag in ("--lerning-rate", "--ab", "--resume-from", "--worker", "-x")]
     out += [base + [flag, v] for flag in ("--weight-decay", "--warmup-lr-steps", "--max-restarts", "--ab-warmup-steps",
                                           "--ab-rebound-steps", "--ab-lr-rebound-steps", "--ab-lr-floor",
-                                          "--powersgd-start-iter",
+                                          "--powersgd-warmup-steps",
                                           "--powersgd-min-compression-rate", "--powersgd-orthogonalization-epsilon")
             for v in ("-1", "abc", "nan")]
     huge = "99999999999999999999"
@@ -266,7 +266,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
         ["--batch-size", "4096"],
         ["--workers", "5000"],
         ["--limit-train", "1"],
-        ["--powersgd-start-iter", "1", "--method", "powersgd"],
+        ["--powersgd-warmup-steps", "1", "--method", "powersgd"],
         ["--resume", str(tmp / "no-such-run")],
         ["--resume", str(tmp)],
     ]

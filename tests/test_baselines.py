@@ -47,7 +47,7 @@ def _torch_powersgd_method():
             model = Method.prepare(self, model)
             cfg = self.cfg
             self.state = PowerSGDState(process_group=self.topo.world.pg, matrix_approximation_rank=cfg.rank,
-                                       start_powerSGD_iter=cfg.start_iter, min_compression_rate=cfg.min_compression_rate,
+                                       start_powerSGD_iter=cfg.warmup_steps, min_compression_rate=cfg.min_compression_rate,
                                        orthogonalization_epsilon=cfg.orthogonalization_epsilon, random_seed=cfg.seed)
             ddp = DistributedDataParallel(model, init_sync=False, process_group=self.topo.world.pg,
                                           bucket_cap_mb=self.bucket_cap_mb, **_no_buffer_broadcast)
@@ -99,17 +99,17 @@ def _run_all(runs, run_dir):
 def runs(fashion_dir):
     configs = {
         "ddp": _cfg(fashion_dir, "ddp", **PLAIN_SGD),
-        "localsgd-h1": _cfg(fashion_dir, "localsgd", localsgd={"h": 1}, **PLAIN_SGD),
-        "diloco-h1": _cfg(fashion_dir, "diloco", diloco={"h": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
+        "localsgd-h1": _cfg(fashion_dir, "localsgd", localsgd={"sync_every": 1}, **PLAIN_SGD),
+        "diloco-h1": _cfg(fashion_dir, "diloco", diloco={"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0},
                           **PLAIN_SGD),
-        "powersgd": _cfg(fashion_dir, "powersgd", powersgd={"rank": 2, "start_iter": 2}),
-        "torch-powersgd": _cfg(fashion_dir, "powersgd", powersgd={"rank": 2, "start_iter": 2}),
+        "powersgd": _cfg(fashion_dir, "powersgd", powersgd={"rank": 2, "warmup_steps": 2}),
+        "torch-powersgd": _cfg(fashion_dir, "powersgd", powersgd={"rank": 2, "warmup_steps": 2}),
         "ddp-bf16": _cfg(fashion_dir, "ddp-bf16"),
         "none": _cfg(fashion_dir, "none"),
         # BatchNorm buffers, momentum, and a last partial period that finalize must close.
-        "localsgd-h4": _cfg(fashion_dir, "localsgd", model="cnn", localsgd={"h": 4}),
+        "localsgd-h4": _cfg(fashion_dir, "localsgd", model="cnn", localsgd={"sync_every": 4}),
         "diloco-h4": _cfg(fashion_dir, "diloco", model="cnn", optimizer="adamw", lr=1e-3, momentum=0.9,
-                          diloco={"h": 4}),
+                          diloco={"sync_every": 4}),
     }
     with tempfile.TemporaryDirectory() as run_dir:
         return run_world(_run_all, 2, configs, run_dir)
@@ -183,11 +183,11 @@ def test_phases_and_sync_counts(runs):
     s = runs[0]["localsgd-h4"]["summary"]
     assert set(s["by_phase"]) == {"setup", "average", "eval"}
     assert s["by_phase"]["average"]["calls"] == 2  # step 4, then finalize at step 6
-    assert runs[0]["localsgd-h4"]["extra"]["localsgd"]["averages"] == 2
+    assert runs[0]["localsgd-h4"]["extra"]["localsgd"]["syncs"] == 2
     s = runs[0]["diloco-h4"]["summary"]
     assert set(s["by_phase"]) == {"setup", "outer", "eval"}
     assert s["by_phase"]["outer"]["calls"] == 2
-    assert runs[0]["diloco-h4"]["extra"]["diloco"]["outer_steps"] == 2
+    assert runs[0]["diloco-h4"]["extra"]["diloco"]["syncs"] == 2
 
 
 @pytest.mark.parametrize("name", ["ddp-bf16", "powersgd", "localsgd", "diloco", "none", "ef21", "onebit", "hlocalsgd"])
@@ -212,21 +212,21 @@ def test_single_process_is_the_same_code(name):
 def test_options_from_flags_and_config_file(tmp_path):
     path = tmp_path / "run.toml"
     # A table per method, or the flag's name as a top-level key.
-    path.write_text('method = "diloco"\npowersgd-rank = 1\n[diloco]\nh = 7\nouter-lr = 0.5\n[localsgd]\nh = 3\n')
+    path.write_text('method = "diloco"\npowersgd-rank = 1\n[diloco]\nsync-every = 7\nouter-lr = 0.5\n[localsgd]\nsync-every = 3\n')
     ns = build_parser().parse_args(["train", "--config", str(path), "--diloco-outer-momentum", "0.5",
-                                    "--powersgd-start-iter", "5"])
+                                    "--powersgd-warmup-steps", "5"])
     cfg = config_from_args(ns)
-    assert cfg.diloco == DiLoCoConfig(h=7, outer_lr=0.5, outer_momentum=0.5)
-    assert cfg.localsgd == LocalSGDConfig(h=3)
-    assert cfg.powersgd == PowerSGDConfig(rank=1, start_iter=5)
+    assert cfg.diloco == DiLoCoConfig(sync_every=7, outer_lr=0.5, outer_momentum=0.5)
+    assert cfg.localsgd == LocalSGDConfig(sync_every=3)
+    assert cfg.powersgd == PowerSGDConfig(rank=1, warmup_steps=5)
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
-    assert read_config_file(str(path))["diloco"] == {"h": 7, "outer_lr": 0.5}
+    assert read_config_file(str(path))["diloco"] == {"sync_every": 7, "outer_lr": 0.5}
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--localsgd-h", "0"], "--localsgd-h must be a positive integer"),
+    (["--localsgd-sync-every", "0"], "--localsgd-sync-every must be a positive integer"),
     (["--diloco-outer-momentum", "1"], "--diloco-outer-momentum must be in [0, 1)"),
-    (["--powersgd-start-iter", "1"], "--powersgd-start-iter must be an integer >= 2"),
+    (["--powersgd-warmup-steps", "1"], "--powersgd-warmup-steps must be an integer >= 2"),
 ])
 def test_bad_options_say_how_to_fix_them(args, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

@@ -38,7 +38,7 @@ def _env():
 def test_bench_end_to_end_with_a_failing_method(tmp_path):
     out = tmp_path / "bench"
     p = subprocess.run(ABTRAIN + ["bench", "--workload", "tiny", "--methods", "ddp,ab,localsgd,diloco",
-                                  "--method-args", "diloco:--diloco-h 0", "--out", str(out)],
+                                  "--method-args", "diloco:--diloco-sync-every 0", "--out", str(out)],
                        capture_output=True, text=True, timeout=240, env=_env())
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # 1: a method failed, the report is still written
     assert "[bench 1/4] ddp" in p.stdout and "  ab | " in p.stdout  # progress, and the runs' own lines
@@ -47,7 +47,7 @@ def test_bench_end_to_end_with_a_failing_method(tmp_path):
     assert [r["method"] for r in report["methods"]] == ["ddp", "ab", "localsgd", "diloco"]
     assert {m: r["status"] for m, r in rows.items()} == {"ddp": "complete", "ab": "complete", "localsgd": "complete",
                                                            "diloco": "failed"}
-    assert "diloco-h" in rows["diloco"]["error"]
+    assert "diloco-sync-every" in rows["diloco"]["error"]
     for m in ("ddp", "ab", "localsgd"):
         r = rows[m]
         assert 0 <= r["test_accuracy"] <= 1 and r["steps"] == 8 and r["world_size"] == 2

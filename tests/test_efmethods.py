@@ -139,7 +139,7 @@ def test_topk_codec_message_is_values_then_int32_indices():
 
 def test_onebit_error_feedback_carries_the_residual():
     """Both compressions keep what they drop: output + e_worker' + e_server' == grad + e_worker + e_server."""
-    method = build_method("onebit", Communicator(), Topology(), warmup_steps=0, chunk_size=16)
+    method = build_method("onebit", Communicator(), Topology(), warmup_steps=0, scale_block=16)
     model = _model()
     method.prepare(model)
     n = sum(method.numels)
@@ -172,7 +172,7 @@ def _rows(rows, phase):
 
 @pytest.mark.parametrize("name, options", [("ef21", {"fraction": 0.03, "warmup_steps": 2}),
                                            ("onebit", {"warmup_steps": 2}),
-                                           ("onebit", {"warmup_steps": 2, "chunk_size": 7})])
+                                           ("onebit", {"warmup_steps": 2, "scale_block": 7})])
 def test_counted_bytes_equal_the_formula(name, options):
     p, steps = 4, 6
     rows, method = _recorded(p, name, steps, **options)
@@ -190,7 +190,7 @@ def test_counted_bytes_equal_the_formula(name, options):
     else:
         length = math.ceil(n / (8 * p)) * 8  # elements per slice: 80
         m = method.segments
-        if "chunk_size" not in options:
+        if "scale_block" not in options:
             # Tensors [0,144) [144,168) [168,288) [288,293), padding [293,320); the slice [240,320) holds
             # the end of the third tensor, the fourth and the padding: 3 scales.
             assert length == 80 and m == 3
@@ -211,13 +211,13 @@ CASES = {
     "ef21": ("ef21", {"fraction": 0.05}, None),
     "ef21-clip": ("ef21", {"fraction": 0.05}, 0.05),
     "onebit": ("onebit", {"warmup_steps": 2}, None),
-    "onebit-chunks-clip": ("onebit", {"warmup_steps": 1, "chunk_size": 16}, 0.05),
-    "hlocalsgd": ("hlocalsgd", {"h": 4}, None),
-    "hlocalsgd-clip": ("hlocalsgd", {"h": 4}, 0.05),
+    "onebit-chunks-clip": ("onebit", {"warmup_steps": 1, "scale_block": 16}, 0.05),
+    "hlocalsgd": ("hlocalsgd", {"sync_every": 4}, None),
+    "hlocalsgd-clip": ("hlocalsgd", {"sync_every": 4}, 0.05),
 }
 RESUME = {"ef21": ({"ef21": EF21Config(fraction=0.05)}, 5),
           "onebit": ({"onebit": OneBitConfig(warmup_steps=2)}, 5),
-          "hlocalsgd": ({"hlocalsgd": HLocalSGDConfig(h=4)}, 6)}  # hlocalsgd: stop while the groups differ
+          "hlocalsgd": ({"hlocalsgd": HLocalSGDConfig(sync_every=4)}, 6)}  # hlocalsgd: stop while the groups differ
 
 
 def _trainer_cfg(fashion_dir, method, options, **kw):
@@ -237,7 +237,7 @@ def _world(fashion_dir, root):
         snapshots = _train(method, _model(), STEPS, clip=clip, seed=10 + topo.rank)  # each worker its own data
         out[case] = {"snapshots": snapshots, "summary": comm.ledger.summary(), "extra": method.extra_results()}
     # Lossless settings (every element its own scale; k = every element) must give the exact mean.
-    for name, options in (("onebit", {"chunk_size": 1, "warmup_steps": 0}), ("ef21", {"fraction": 1.0, "warmup_steps": 0})):
+    for name, options in (("onebit", {"scale_block": 1, "warmup_steps": 0}), ("ef21", {"fraction": 1.0, "warmup_steps": 0})):
         comm = Communicator(Ledger(), topo.device)
         method = build_method(name, comm, topo, **options)
         method.prepare(_model())
@@ -293,7 +293,7 @@ def test_hlocalsgd_groups_agree_every_step_and_everyone_every_h_steps(world, cas
     assert not torch.equal(snaps[0][2], snaps[2][2])  # the groups drift apart in between
     # Leaving attach() averaged steps 5-6 (finalize): one model at the end.
     s = world[0][case]["summary"]
-    assert s["by_phase"]["average"]["calls"] == 2 and world[0][case]["extra"]["hlocalsgd"]["averages"] == 2
+    assert s["by_phase"]["average"]["calls"] == 2 and world[0][case]["extra"]["hlocalsgd"]["syncs"] == 2
 
 
 def test_hlocalsgd_counts(world):
@@ -335,12 +335,12 @@ def test_stopped_and_resumed_runs_equal_the_uninterrupted_run(world, name):
 
 # -- options ----------------------------------------------------------------------------------------------
 def test_options_from_flags():
-    ns = build_parser().parse_args(["train", "--method", "onebit", "--ef21-fraction", "0.05", "--onebit-chunk-size",
-                                    "256", "--onebit-warmup-steps", "0", "--hlocalsgd-h", "3"])
+    ns = build_parser().parse_args(["train", "--method", "onebit", "--ef21-fraction", "0.05", "--onebit-scale-block",
+                                    "256", "--onebit-warmup-steps", "0", "--hlocalsgd-sync-every", "3"])
     cfg = config_from_args(ns)
     assert cfg.ef21 == EF21Config(fraction=0.05)
-    assert cfg.onebit == OneBitConfig(warmup_steps=0, chunk_size=256)
-    assert cfg.hlocalsgd == HLocalSGDConfig(h=3)
+    assert cfg.onebit == OneBitConfig(warmup_steps=0, scale_block=256)
+    assert cfg.hlocalsgd == HLocalSGDConfig(sync_every=3)
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -348,9 +348,9 @@ def test_options_from_flags():
     (["--ef21-fraction", "0"], "--ef21-fraction must be in (0, 1]"),
     (["--ef21-fraction", "1.5"], "--ef21-fraction must be in (0, 1]"),
     (["--ef21-warmup-steps", "-1"], "--ef21-warmup-steps must be an integer >= 0"),
-    (["--onebit-chunk-size", "-8"], "--onebit-chunk-size must be >= 0"),
+    (["--onebit-scale-block", "-8"], "--onebit-scale-block must be >= 0"),
     (["--onebit-warmup-steps", "-1"], "--onebit-warmup-steps must be an integer >= 0"),
-    (["--hlocalsgd-h", "0"], "--hlocalsgd-h must be a positive integer"),
+    (["--hlocalsgd-sync-every", "0"], "--hlocalsgd-sync-every must be a positive integer"),
 ])
 def test_bad_options_say_how_to_fix_them(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -376,7 +376,7 @@ def test_available_from_setup_in_a_users_loop(monkeypatch):
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    for name, options in (("ef21", {"fraction": 0.02}), ("onebit", {"chunk_size": 64}), ("hlocalsgd", {"h": 2})):
+    for name, options in (("ef21", {"fraction": 0.02}), ("onebit", {"scale_block": 64}), ("hlocalsgd", {"sync_every": 2})):
         method = abtrain.setup(name, device="cpu", **options)
         assert method.name == name and method.cfg == type(method.cfg)(**options)
         _train(method, _model(), 3)

@@ -176,7 +176,7 @@ def test_every_numeric_flag_refuses_what_no_consumer_holds(tmp_path, method, fla
         assert flag in str(err.value) or f"{name.split('_')[-1]} must be" in str(err.value), (value, err.value)
 
 
-@pytest.mark.parametrize("flag, limit", [("--threads", "1,024"), ("--streaming-diloco-block", "65,536")])
+@pytest.mark.parametrize("flag, limit", [("--threads", "1,024"), ("--streaming-diloco-scale-block", "65,536")])
 def test_a_field_declares_a_narrower_range_where_its_consumer_holds_less(tmp_path, flag, limit):
     method = "streaming-diloco" if flag.startswith("--streaming") else "ddp"
     with pytest.raises(ValueError, match=f"^{flag} 1000000000 is beyond any real run \\(at most {limit}\\)"):

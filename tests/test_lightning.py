@@ -53,10 +53,10 @@ AB = {"warmup_steps": 7, "cycle_steps": 4, "rebound_steps": 0, "lr_rebound_steps
       "dense_comm": "fp32"}
 GIVES_UP = "a worker resuming from it in place of its own gives up"
 #: The other kinds of method, with short schedules, and the ledger phases each one's traffic falls in.
-OTHERS = {"powersgd": ({"start_iter": 2}, {"setup", "warmup", "train"}),  # DDP's hook
+OTHERS = {"powersgd": ({"warmup_steps": 2}, {"setup", "warmup", "train"}),  # DDP's hook
           "ef21": ({}, {"setup", "warmup", "train"}),  # reduce_gradients() before clipping
-          "localsgd": ({"h": 4}, {"setup", "average"}),
-          "diloco": ({"h": 4}, {"setup", "outer"})}
+          "localsgd": ({"sync_every": 4}, {"setup", "average"}),
+          "diloco": ({"sync_every": 4}, {"setup", "outer"})}
 
 
 def _data() -> TensorDataset:

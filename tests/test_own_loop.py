@@ -41,7 +41,7 @@ def _batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _method(name: str) -> abtrain.Method:
-    options = {"ab": dict(group_size=2, **AB), "hlocalsgd": dict(group_size=2, h=4),
+    options = {"ab": dict(group_size=2, **AB), "hlocalsgd": dict(group_size=2, sync_every=4),
                "ef21": {"warmup_steps": 2}}.get(name, {})
     return abtrain.setup(name, total_steps=STEPS, quiet=True, **options)
 

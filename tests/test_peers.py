@@ -258,12 +258,12 @@ def test_demo_bytes_equal_the_formula():
 @pytest.mark.parametrize("quantize", ["e3m0", "fp32"])
 def test_streaming_diloco_bytes_equal_the_formula(quantize):
     p, h, steps = 4, 4, 9
-    rows, method = _recorded(p, "streaming-diloco", steps, adam=True, h=h, fragments=2, overlap=1, quantize=quantize,
+    rows, method = _recorded(p, "streaming-diloco", steps, adam=True, sync_every=h, fragments=2, overlap=1, quantize=quantize,
                              block=16)
     sizes = method.fragment_numels
     assert method.offsets == [0, 2] and sizes == [6 * 16 + 16, 16 * 10 + 10 + 10 + 10 + 10 * 5 + 5]
     # Fragment 1 meets at steps 2, 6; fragment 0 at 4, 8; leaving attach() exchanges both at once (step 9).
-    assert method.exchanges == [3, 3]
+    assert method.fragment_syncs == [3, 3]
     sends = [sizes[1], sizes[0], sizes[1], sizes[0], sizes[0] + sizes[1]]
     rows = _rows(rows, "outer")
     if quantize == "fp32":
@@ -287,7 +287,7 @@ def test_streaming_diloco_bytes_equal_the_formula(quantize):
 STEPS = 9
 RESUME = {"demo": ({"demo": DeMoConfig(topk=4, chunk=16)}, {"optimizer": "sgd", "momentum": 0.0, "lr": 3e-3}, 5),
           # stopped at step 4: fragment 0's exchange there is merged at step 5, after the restart
-          "streaming-diloco": ({"streaming_diloco": StreamingDiLoCoConfig(h=4, fragments=2, overlap=1, block=64)},
+          "streaming-diloco": ({"streaming_diloco": StreamingDiLoCoConfig(sync_every=4, fragments=2, overlap=1, block=64)},
                                {"optimizer": "adamw", "lr": 1e-3}, 4)}
 
 
@@ -303,10 +303,10 @@ def _world(fashion_dir, root):
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {}
     cases = {"demo": ("demo", {"topk": 4, "chunk": 8}, False),
-             "streaming": ("streaming-diloco", {"h": 4, "fragments": 2, "overlap": 0, "block": 16}, True),
-             "streaming-overlap": ("streaming-diloco", {"h": 4, "fragments": 2, "overlap": 1, "block": 16}, True),
-             "diloco": ("diloco", {"h": 3}, True),
-             "streaming-as-diloco": ("streaming-diloco", {"h": 3, "fragments": 1, "overlap": 0, "quantize": "fp32"},
+             "streaming": ("streaming-diloco", {"sync_every": 4, "fragments": 2, "overlap": 0, "scale_block": 16}, True),
+             "streaming-overlap": ("streaming-diloco", {"sync_every": 4, "fragments": 2, "overlap": 1, "scale_block": 16}, True),
+             "diloco": ("diloco", {"sync_every": 3}, True),
+             "streaming-as-diloco": ("streaming-diloco", {"sync_every": 3, "fragments": 1, "overlap": 0, "quantize": "fp32"},
                                      True)}
     for case, (name, options, adam) in cases.items():
         comm = Communicator(Ledger(), topo.device)
@@ -399,7 +399,7 @@ def test_available_from_setup_in_a_users_loop(monkeypatch):
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    for name, options in (("demo", {"topk": 8}), ("streaming-diloco", {"h": 2, "fragments": 2})):
+    for name, options in (("demo", {"topk": 8}), ("streaming-diloco", {"sync_every": 2, "fragments": 2})):
         method = abtrain.setup(name, device="cpu", **options)
         assert method.name == name and method.cfg == type(method.cfg)(**options)
         _train(method, _model(), 3)

@@ -100,6 +100,6 @@ def test_a_method_from_its_own_file_reaches_help_config_and_a_run(tmp_path):
     with open(tmp_path / "run" / "results.json") as fh:
         results = json.load(fh)
     assert results["method"] == "toy" and results["config"]["toy"] == {"every": 2}
-    assert results["toy"] == {"every": 2, "averages": 3}  # after steps 2, 4 and 6
+    assert results["toy"] == {"every": 2, "syncs": 3}  # after steps 2, 4 and 6
     phases = results["comm"]["by_phase"]
     assert phases["toy-average"]["calls"] == 3 and set(phases) == {"setup", "toy-average", "eval"}

@@ -32,8 +32,8 @@ STEPS = 24
 STOP = 11  # 3 steps into an AB phase (warm-up 4, a sync every 6 steps, each followed by 2 rebound steps)
 AB = {"group_size": 2, "warmup_steps": 4, "cycle_steps": 6, "rebound_steps": 2}
 OPTIONS: dict[str, dict[str, Any]] = {
-    "ab": AB, "hlocalsgd": {"group_size": 2, "h": 4}, "localsgd": {"h": 4}, "diloco": {"h": 4},
-    "streaming-diloco": {"h": 4, "fragments": 2}, "powersgd": {"start_iter": 2}, "ef21": {"warmup_steps": 2},
+    "ab": AB, "hlocalsgd": {"group_size": 2, "sync_every": 4}, "localsgd": {"sync_every": 4}, "diloco": {"sync_every": 4},
+    "streaming-diloco": {"sync_every": 4, "fragments": 2}, "powersgd": {"warmup_steps": 2}, "ef21": {"warmup_steps": 2},
     "onebit": {"warmup_steps": 2}}
 DCP_METHODS = ["ab", "diloco", "streaming-diloco", "demo", "ef21"]
 #: (name, stop): the runs each world takes; AB also stops right after its first decomposition, where every

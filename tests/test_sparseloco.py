@@ -173,12 +173,12 @@ def test_mean_over_senders_or_over_all_workers():
 def test_the_period_keeps_the_papers_outer_steps_in_a_shorter_run():
     assert [sync_every_for(t) for t in (None, 8, 702, 2000, 2445, 100_000)] == [15, 1, 4, 12, 15, 15]
     method = build_method("sparseloco", Communicator(), Topology())
-    assert method.h == 15
+    assert method.sync_every == 15
     method.set_total_steps(702)
-    assert method.h == 4 and method.due(4) and not method.due(3)
+    assert method.sync_every == 4 and method.due(4) and not method.due(3)
     fixed = build_method("sparseloco", Communicator(), Topology(), sync_every=7)
     fixed.set_total_steps(702)
-    assert fixed.h == 7
+    assert fixed.sync_every == 7
 
 
 @pytest.mark.parametrize("options, message", [({"topk": 0}, "--sparseloco-topk must be in"),
@@ -302,7 +302,7 @@ def test_available_from_setup_in_a_users_loop(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     method = abtrain.setup("sparseloco", device="cpu", total_steps=702, topk=32)
-    assert method.name == "sparseloco" and method.cfg == SparseLoCoConfig(topk=32) and method.h == 4
+    assert method.name == "sparseloco" and method.cfg == SparseLoCoConfig(topk=32) and method.sync_every == 4
     _train(method, _model(), 5)
     with method.consensus():
         assert method.in_consensus()

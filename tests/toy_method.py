@@ -48,7 +48,7 @@ class Toy(PeriodicMethod):
             self.comm.all_reduce_tensors(tensors, self.topo.world, average=True)
 
     def extra_results(self) -> dict[str, Any]:
-        return {"toy": {"every": self.cfg.every, "averages": self.syncs}}
+        return {"toy": {"every": self.cfg.every, "syncs": self.syncs}}
 
 
 def _needs_two_workers(cfg: ToyConfig, world_size: int, group_size: int) -> None:

@@ -3,14 +3,14 @@
 Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
 Models" (2023), Algorithm 1, in the shape of torchft's ``DiLoCo``
 (``torchft/local_sgd.py``): the user's optimizer is the inner optimizer
-(the paper uses AdamW: ``--optimizer adamw``); every ``h`` steps each worker
+(the paper uses AdamW: ``--optimizer adamw``); every ``sync_every`` steps each worker
 forms the pseudo-gradient ``global - local``, one flat all-reduce averages it
 over all workers, and an outer SGD with Nesterov momentum, owned by this
 method, updates a copy of the global parameters, which every worker then
 loads. Floating-point buffers are averaged in the same collective. Inner
 optimizer states stay per worker.
 
-With ``h = 1``, ``outer_lr = 1``, ``outer_momentum = 0`` and plain SGD as the
+With ``sync_every = 1``, ``outer_lr = 1``, ``outer_momentum = 0`` and plain SGD as the
 inner optimizer this is DDP: global - mean(global - (global - lr g_i)) = global - lr mean(g_i).
 """
 
@@ -36,12 +36,12 @@ class DiLoCoConfig(Options):
     """Options of DiLoCo; the CLI exposes each as ``--diloco-<name>``."""
 
     section = "diloco"
-    h: int = opt(20, "inner optimizer steps between two outer steps (H)")
+    sync_every: int = opt(20, "inner optimizer steps between two outer steps (H)")
     outer_lr: float = opt(0.7, "learning rate of the outer SGD on the averaged pseudo-gradient")
     outer_momentum: float = opt(0.9, "Nesterov momentum of the outer SGD (0: plain SGD)")
 
     def check(self) -> None:
-        self.require("h", self.h >= 1, "a positive integer")
+        self.require("sync_every", self.sync_every >= 1, "a positive integer")
         self.require("outer_lr", self.outer_lr > 0, "> 0")
         self.require("outer_momentum", 0 <= self.outer_momentum < 1, "in [0, 1)")
 
@@ -87,17 +87,16 @@ class OuterStep:
 
 
 class DiLoCo(PeriodicMethod):
-    """The user's optimizer for ``h`` inner steps, then an averaged outer step (phases ``inner`` / ``outer``)."""
+    """The user's optimizer for ``sync_every`` inner steps, then an averaged outer step (phases ``inner`` / ``outer``)."""
 
     name = "diloco"
     local_phase, sync_phase = "inner", "outer"
-    count_names = ("outer_steps", "last_outer")
     optimizer_apart = "inner optimizer state"
 
     def __init__(self, comm: Communicator, topo: Topology, config: DiLoCoConfig | None = None,
                  **options: Any) -> None:
         self.cfg = config if config is not None else DiLoCoConfig(**options)
-        super().__init__(comm, topo, self.cfg.h)
+        super().__init__(comm, topo, self.cfg.sync_every)
         self.outer: OuterStep | None = None
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -144,4 +143,4 @@ class DiLoCo(PeriodicMethod):
 
 register(MethodSpec("diloco", DiLoCo, "DiLoCo", "H inner steps of the chosen optimizer (AdamW recommended), then an "
                     "outer Nesterov step on the averaged pseudo-gradient", options=DiLoCoConfig, order=60, bench=4,
-                    short_run_args=("--diloco-h", "2")))
+                    short_run_args=("--diloco-sync-every", "2")))

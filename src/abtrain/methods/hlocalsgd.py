@@ -4,7 +4,7 @@ Lin et al., "Don't Use Large Mini-Batches, Use Local SGD" (ICLR 2020),
 hierarchical local SGD: the groups (``--group-size``, one node in the
 intended deployment) train apart, each as ordinary data parallelism: the
 gradients are averaged inside the group (one flat all-reduce per step, phase
-``local``, scope ``group``). Every ``h`` optimizer steps, and once more at the
+``local``, scope ``group``). Every ``sync_every`` optimizer steps, and once more at the
 end if steps were taken since, one flat all-reduce over all workers (phase
 ``average``, scope ``global``) averages
 
@@ -40,14 +40,14 @@ class HLocalSGDConfig(Options):
     """Options of hierarchical local SGD; the CLI exposes each as ``--hlocalsgd-<name>``."""
 
     section = "hlocalsgd"
-    h: int = opt(8, "optimizer steps between two averages over all workers (H); gradients are averaged inside the group every step")
+    sync_every: int = opt(8, "optimizer steps between two averages over all workers (H); gradients are averaged inside the group every step")
 
     def check(self) -> None:
-        self.require("h", self.h >= 1, "a positive integer")
+        self.require("sync_every", self.sync_every >= 1, "a positive integer")
 
 
 class HLocalSGD(PeriodicMethod):
-    """Group-wise DP every step (phase ``local``); parameters, buffers and moments averaged every ``h`` steps (``average``)."""
+    """Group-wise DP every step (phase ``local``); parameters, buffers and moments averaged every ``sync_every`` steps (``average``)."""
 
     name = "hlocalsgd"
     averages_gradients = True
@@ -56,7 +56,7 @@ class HLocalSGD(PeriodicMethod):
     def __init__(self, comm: Communicator, topo: Topology, config: HLocalSGDConfig | None = None,
                  **options: Any) -> None:
         self.cfg = config if config is not None else HLocalSGDConfig(**options)
-        super().__init__(comm, topo, self.cfg.h)
+        super().__init__(comm, topo, self.cfg.sync_every)
         self._optimizer: torch.optim.Optimizer | None = None
 
     def reduce_gradients(self) -> None:

@@ -20,7 +20,7 @@ error feedback and two collectives over all ``p`` workers
    ``p`` compressed slices; every worker decompresses the same bytes the same
    way, so every optimizer sees the same averaged gradient.
 
-Segments are the tensors (``chunk_size = 0``) or chunks of ``chunk_size``
+Segments are the tensors (``scale_block = 0``) or chunks of ``scale_block``
 elements of each tensor, cut further at slice boundaries; ``M`` is the
 largest number of segments in a slice (slices with fewer pad with zeros).
 Bytes per compressed step and worker, with ``m = L/8 + 4M`` (one message):
@@ -52,11 +52,11 @@ class OneBitConfig(Options):
 
     section = "onebit"
     warmup_steps: int = opt(4, "full-precision all-reduce steps before 1-bit compression starts (1-bit Adam, with AdamW, warms up for ~15 percent of the run)")
-    chunk_size: int = opt(0, "elements sharing one scale; 0: one scale per tensor")
+    scale_block: int = opt(0, "elements sharing one scale; 0: one scale per tensor")
 
     def check(self) -> None:
         self.require("warmup_steps", self.warmup_steps >= 0, "an integer >= 0")
-        self.require("chunk_size", self.chunk_size >= 0, ">= 0 (0: one scale per tensor)")
+        self.require("scale_block", self.scale_block >= 0, ">= 0 (0: one scale per tensor)")
 
 
 class OneBit(GradientMethod):
@@ -83,7 +83,7 @@ class OneBit(GradientMethod):
         padded = p * self.slice
         starts, offset = [], 0
         for n in self.numels:
-            step = self.cfg.chunk_size or n
+            step = self.cfg.scale_block or n
             starts += list(range(offset, offset + n, step))
             offset += n
         if numel < padded:

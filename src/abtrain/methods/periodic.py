@@ -1,5 +1,5 @@
-"""Methods whose workers train apart and meet every ``h`` optimizer steps (local SGD, hierarchical local SGD,
-DiLoCo, Streaming DiLoCo)."""
+"""Methods whose workers train apart and meet every ``sync_every`` optimizer steps (local SGD, hierarchical local
+SGD, DiLoCo, Streaming DiLoCo, SparseLoCo)."""
 
 from __future__ import annotations
 
@@ -16,25 +16,23 @@ from .resume import Writer, has_state, optimizer_params
 
 
 class PeriodicMethod(Method):
-    """Workers train apart and meet every ``h`` optimizer steps, where :meth:`synchronize` brings them to one
+    """Workers train apart and meet every ``sync_every`` optimizer steps, where :meth:`synchronize` brings them to one
     model (:meth:`synchronize_fragments`, of the fragments that meet, where the model is cut in fragments).
 
     The model may be cut into ``fragments`` that meet at staggered steps
     (Streaming DiLoCo): fragment ``f`` meets at the steps ``t >= 1`` with
     ``t mod h = f * h // fragments``; with one fragment (the default) the whole
-    model meets at the multiples of ``h``. The step at which any fragment meets
+    model meets at the multiples of ``sync_every``. The step at which any fragment meets
     is labelled ``sync_phase`` in the ledger, the others ``local_phase``.
     :meth:`agree` (and leaving :meth:`attach`) brings every fragment that has
     trained since it last met to one model at once.
 
-    ``cfg`` is the method's options (with ``h`` and ``section``); its state and
-    results name the count of meetings and the step of the last one as
-    ``count_names``.
+    ``cfg`` is the method's options (with ``sync_every`` and ``section``); its state and
+    results name the count of meetings ``syncs`` and the step of the last one ``last_sync``.
     """
 
     local_phase = "local"
     sync_phase = "average"
-    count_names = ("averages", "last_average")
     #: a synchronization averages the floating-point buffers too (consensus then need not)
     syncs_buffers = True
     #: what the optimizer's state is called in rank 0's resume line where it stays per worker (None: the
@@ -42,17 +40,18 @@ class PeriodicMethod(Method):
     optimizer_apart: str | None = "optimizer state"
     cfg: Any
 
-    def __init__(self, comm: Communicator, topo: Topology, h: int, fragments: int = 1) -> None:
+    def __init__(self, comm: Communicator, topo: Topology, sync_every: int, fragments: int = 1) -> None:
         super().__init__(comm, topo)
-        self.h = h
-        self.offsets = [f * h // fragments for f in range(fragments)]  # fragment f meets at t mod h == offsets[f]
+        self.sync_every = sync_every
+        # fragment f meets at t mod sync_every == offsets[f]
+        self.offsets = [f * sync_every // fragments for f in range(fragments)]
         self.t = 0  # optimizer steps taken
         self.syncs = 0  # synchronizations (of one fragment or more)
         self.last_sync = [0] * fragments  # step of each fragment's last synchronization (0: prepare's broadcast)
 
     def due(self, step: int) -> list[int]:
         """The fragments that meet at optimizer step ``step``."""
-        return [f for f, o in enumerate(self.offsets) if step >= 1 and step % self.h == o]
+        return [f for f, o in enumerate(self.offsets) if step >= 1 and step % self.sync_every == o]
 
     @property
     def phase(self) -> str:
@@ -108,16 +107,16 @@ class PeriodicMethod(Method):
             self.agree()
 
     def extra_results(self) -> dict[str, Any]:
-        return {self.cfg.section: {**asdict(self.cfg), self.count_names[0]: self.syncs}}
+        return {self.cfg.section: {**asdict(self.cfg), "syncs": self.syncs}}
 
     def state_dict(self) -> dict[str, Any]:
         last: int | list[int] = self.last_sync[0] if len(self.last_sync) == 1 else list(self.last_sync)
-        return {"t": self.t, self.count_names[0]: self.syncs, self.count_names[1]: last}
+        return {"t": self.t, "syncs": self.syncs, "last_sync": last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        last = state[self.count_names[1]]
+        last = state["last_sync"]
         self.t = state["t"]
-        self.syncs = state[self.count_names[0]]
+        self.syncs = state["syncs"]
         self.last_sync = list(last) if isinstance(last, list) else [last]
 
     def dcp_split(self) -> tuple[set[str], set[str]]:
@@ -127,7 +126,7 @@ class PeriodicMethod(Method):
         return own | {name for name, _ in self.module.named_parameters(remove_duplicate=False)}, held
 
     def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
-        last = state[self.count_names[1]]
+        last = state["last_sync"]
         since = min(last) if isinstance(last, list) else last
         out = [self.apart_since(state["t"] - since, since, writer)] if state["t"] > since else []
         if self.optimizer_apart and has_state(optimizer, optimizer_params(optimizer)):

@@ -15,7 +15,7 @@ The math is :class:`~abtrain.compress.powersgd.PowerSGDReducer`, handed each DDP
 :class:`~abtrain.compress.ddp_hook.ReducerHook`; its two all-reduces (the Ps with the
 uncompressed tensors, the Qs) go through the communicator, so the ledger holds, per
 compressed step, exactly the ``numel_after_compression`` elements: the
-uncompressed tensors plus every P and Q. The first ``start_iter`` steps are
+uncompressed tensors plus every P and Q. The first ``warmup_steps`` steps are
 plain averaged all-reduces of the buckets (phase ``warmup``); compressed steps
 are phase ``train``.
 """
@@ -44,7 +44,7 @@ class PowerSGDConfig(Options):
 
     section = "powersgd"
     rank: int = opt(4, "rank r of the P and Q factors of each compressed gradient matrix (matrix_approximation_rank)")
-    start_iter: int = opt(10, "plain all-reduce for the first steps, PowerSGD from this step on (start_powerSGD_iter, > 1)")
+    warmup_steps: int = opt(10, "plain all-reduce steps before PowerSGD compresses (torch's start_powerSGD_iter, > 1)")
     min_compression_rate: float = opt(2.0, "compress a matrix only when (rows + cols) * r * this < rows * cols")
     orthogonalization_epsilon: float = opt(0.0, "added to column norms in the orthogonalisation (e.g. 1e-8 against all-zero gradients)")
     seed: int = opt(0, "seed of the random initial Qs (the same on every worker)")
@@ -54,7 +54,7 @@ class PowerSGDConfig(Options):
         self.require("rank", self.rank >= 1, "a positive integer")
         # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start:
         # DDP rebuilds its buckets after the first step, which would invalidate the memorised errors and Qs.
-        self.require("start_iter", self.start_iter >= 2,
+        self.require("warmup_steps", self.warmup_steps >= 2,
                      "an integer >= 2 (DDP rebuilds its buckets after the first step)")
         self.require("min_compression_rate", self.min_compression_rate > 0, "> 0")
         self.require("orthogonalization_epsilon", self.orthogonalization_epsilon >= 0, ">= 0")
@@ -84,7 +84,7 @@ class PowerSGD(DDPMethod):
 
     @property
     def phase(self) -> str:
-        return "warmup" if self.iter < self.cfg.start_iter else "train"
+        return "warmup" if self.iter < self.cfg.warmup_steps else "train"
 
     def bucket_reducer(self) -> Reducer:
         return self.reducer if self.phase == "warmup" else self.compressor
@@ -117,4 +117,4 @@ class PowerSGD(DDPMethod):
 
 register(MethodSpec("powersgd", PowerSGD, "PowerSGD", "PowerSGD on DDP's gradient buckets: rank-r compression with "
                     "error feedback and warm start", options=PowerSGDConfig, bucket_cap=True, order=40, bench=2,
-                    short_run_args=("--powersgd-start-iter", "2")))
+                    short_run_args=("--powersgd-warmup-steps", "2")))

@@ -83,7 +83,6 @@ class SparseLoCo(PeriodicMethod):
 
     name = "sparseloco"
     local_phase, sync_phase = "inner", "outer"
-    count_names = ("syncs", "last_sync")
     syncs_buffers = False  # an outer step carries parameters only: consensus averages the buffers
 
     def __init__(self, comm: Communicator, topo: Topology, config: SparseLoCoConfig | None = None,
@@ -97,7 +96,7 @@ class SparseLoCo(PeriodicMethod):
 
     def set_total_steps(self, total_steps: int | None) -> None:
         if self.cfg.sync_every is None:
-            self.h = sync_every_for(total_steps)
+            self.sync_every = sync_every_for(total_steps)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
@@ -144,7 +143,7 @@ class SparseLoCo(PeriodicMethod):
     def extra_results(self) -> dict[str, Any]:
         numel = sum(self.numels)
         codec = self.codec
-        return {"sparseloco": {**asdict(self.cfg), "sync_every": self.h, "syncs": self.syncs, "numel": numel,
+        return {"sparseloco": {**asdict(self.cfg), "sync_every": self.sync_every, "syncs": self.syncs, "numel": numel,
                                "entries": codec.k if codec else 0,
                                "density": codec.k / numel if codec and numel else 0.0,
                                "message_bytes": codec.message_bytes(numel) if codec else 0,

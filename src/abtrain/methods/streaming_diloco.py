@@ -65,7 +65,7 @@ class StreamingDiLoCoConfig(Options):
     """Options of Streaming DiLoCo; the CLI exposes each as ``--streaming-diloco-<name>``."""
 
     section = "streaming_diloco"
-    h: int = opt(20, "inner steps between two outer steps of one fragment (H)")
+    sync_every: int = opt(20, "inner steps between two outer steps of one fragment (H)")
     fragments: int = opt(4, "fragments P; fragment p meets at the steps t with t mod H = p*H//P")
     pattern: str = opt("strided", "how the model is cut into fragments: strided (the paper's: the layers cut into K*P contiguous groups of about equal size, group g in fragment g mod P) or modules (the modules holding parameters dealt out in turn)", choices=PATTERNS)
     fragment_groups: int = opt(2, "K, contiguous groups per fragment under --streaming-diloco-pattern strided (fewer where the model has fewer than K*P layers); 1 is the paper's sequential pattern")
@@ -74,18 +74,18 @@ class StreamingDiLoCoConfig(Options):
     outer_lr: float = opt(0.7, "learning rate of the outer SGD on the averaged outer gradient")
     outer_momentum: float = opt(0.9, "Nesterov momentum of the outer SGD (0: plain SGD)")
     quantize: str = opt("e3m0", "outer gradients on the wire: e3m0 (4 bits, one float32 scale per block) or fp32 (DiLoCo's all-reduce)", choices=("e3m0", "fp32"))
-    block: int = opt(256, "elements sharing one scale under e3m0 (even)", high=1 << 16)  # each tensor pads to p blocks
+    scale_block: int = opt(256, "elements sharing one scale under e3m0 (even)", high=1 << 16)  # each tensor pads to p blocks
 
     def check(self) -> None:
-        self.require("h", self.h >= 1, "a positive integer")
-        self.require("fragments", 1 <= self.fragments <= self.h,
-                     f"in [1, H = {self.h}] (one fragment per step at most)")
-        self.require("overlap", 0 <= self.overlap < self.h,
-                     f"in [0, H) = [0, {self.h}) (merged before the fragment's next exchange)")
+        self.require("sync_every", self.sync_every >= 1, "a positive integer")
+        self.require("fragments", 1 <= self.fragments <= self.sync_every,
+                     f"in [1, H = {self.sync_every}] (one fragment per step at most)")
+        self.require("overlap", 0 <= self.overlap < self.sync_every,
+                     f"in [0, H) = [0, {self.sync_every}) (merged before the fragment's next exchange)")
         self.require("alpha", 0 <= self.alpha < 1, "in [0, 1)")
         self.require("outer_lr", self.outer_lr > 0, "> 0")
         self.require("outer_momentum", 0 <= self.outer_momentum < 1, "in [0, 1)")
-        self.require("block", self.block >= 2 and self.block % 2 == 0, "an even integer >= 2")
+        self.require("scale_block", self.scale_block >= 2 and self.scale_block % 2 == 0, "an even integer >= 2")
         self.require("fragment_groups", self.fragment_groups >= 1, "a positive integer")
 
 
@@ -176,16 +176,15 @@ class StreamingDiLoCo(PeriodicMethod):
 
     name = "streaming-diloco"
     local_phase, sync_phase = "inner", "outer"
-    count_names = ("syncs", "last_sent")
     syncs_buffers = False  # an exchange carries parameters only: consensus averages the buffers
     optimizer_apart = "inner optimizer state"
 
     def __init__(self, comm: Communicator, topo: Topology, config: StreamingDiLoCoConfig | None = None,
                  **options: Any) -> None:
         self.cfg = config if config is not None else StreamingDiLoCoConfig(**options)
-        super().__init__(comm, topo, self.cfg.h, self.cfg.fragments)
-        self.codec = build_codec(self.cfg.quantize, self.cfg.block)
-        self.exchanges = [0] * self.cfg.fragments  # outer steps of each fragment
+        super().__init__(comm, topo, self.cfg.sync_every, self.cfg.fragments)
+        self.codec = build_codec(self.cfg.quantize, self.cfg.scale_block)
+        self.fragment_syncs = [0] * self.cfg.fragments  # outer steps of each fragment
         self.pending: list[int | None] = [None] * self.cfg.fragments  # step at which an exchanged fragment is merged
         self.fragments: list[list[int]] = []
         self.outer: list[OuterStep] = []
@@ -229,7 +228,7 @@ class StreamingDiLoCo(PeriodicMethod):
         chunks = iter(average.split([p.numel() for p in local]))
         for f in fragments:
             self.outer[f].step([next(chunks) for _ in self.fragments[f]])
-            self.exchanges[f] += 1
+            self.fragment_syncs[f] += 1
             self.pending[f] = self.t + self.cfg.overlap
             if self.cfg.overlap == 0:
                 self._merge(f, alpha=0.0)
@@ -271,10 +270,10 @@ class StreamingDiLoCo(PeriodicMethod):
 
     def extra_results(self) -> dict[str, Any]:
         return {"streaming_diloco": {**asdict(self.cfg), "offsets": self.offsets,
-                                     "fragment_numels": self.fragment_numels, "outer_steps": self.exchanges}}
+                                     "fragment_numels": self.fragment_numels, "fragment_syncs": self.fragment_syncs}}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "exchanges": list(self.exchanges),
+        return {**super().state_dict(), "fragment_syncs": list(self.fragment_syncs),
                 "fragments": [list(f) for f in self.fragments], "pending": [-1 if d is None else d for d in self.pending],
                 "global_params": [g.clone() for g in self.global_params],
                 "outer": [o.optimizer.state_dict() for o in self.outer]}
@@ -286,9 +285,8 @@ class StreamingDiLoCo(PeriodicMethod):
         if state["fragments"] != self.fragments:  # each fragment's outer momentum is laid out by its parameters
             raise ValueError("checkpoint's Streaming DiLoCo fragments hold other parameters than this run's: "
                              "continue with the --streaming-diloco-pattern and -fragment-groups it was written with")
-        # A state may lack "syncs" (exchanges of any fragments; Streaming DiLoCo reports per fragment): 0 then.
-        super().load_state_dict({"syncs": 0, **state})
-        self.exchanges = list(state["exchanges"])
+        super().load_state_dict(state)
+        self.fragment_syncs = list(state["fragment_syncs"])
         self.pending = [None if d < 0 else d for d in state["pending"]]
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global_params"]):
@@ -341,4 +339,4 @@ register(MethodSpec("streaming-diloco", StreamingDiLoCo, "Streaming DiLoCo",
                     "DiLoCo whose outer step runs fragment by fragment at staggered steps, overlapped with the next "
                     "inner steps, its outer gradients sent in 4 bits", options=StreamingDiLoCoConfig, order=65,
                     bench=4, check_run=_check_run,
-                    short_run_args=("--streaming-diloco-h", "2", "--streaming-diloco-fragments", "2")))
+                    short_run_args=("--streaming-diloco-sync-every", "2", "--streaming-diloco-fragments", "2")))

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..run import interrupt
 from ..run.rundir import read_status
 from . import netns
 from .config import BenchConfig
@@ -120,6 +121,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 line = f"[bench {i + 1}/{len(outcomes)}] {outcome.method}: {outcome.status}"
                 _say(line + (f" ({outcome.error})" if outcome.error else f" in {outcome.seconds:.1f} s"))
         except KeyboardInterrupt:
+            interrupt.hold()  # caught: the clean-up and the report below run to their end
             interrupted = True
             _say("abtrain bench: interrupted; removing what it set up and writing a report of the finished runs")
         finally:
