@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from abtrain.cli import build_parser, main
+from abtrain.cli import build_parser, config_from_args, main
 from abtrain.methods.summary import human_bytes
 from helpers import OLD_AB_DEFAULTS
 
@@ -336,3 +336,9 @@ def test_python_m_abtrain_and_default_run_dir():
     store.set("unrelated", "x")
     assert default_run_dir(cfg, env) == first == os.path.join("runs", "ab-cnn-fashion-mnist-" + store.get(
         "abtrain/run_dir_stamp").decode())
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (ROOT / "examples").glob("*.toml")))
+def test_every_preset_of_examples_is_a_valid_configuration(preset):
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(ROOT / "examples" / preset)]))
+    assert cfg.method == "ab"

@@ -259,7 +259,7 @@ def test_demo_bytes_equal_the_formula():
 def test_streaming_diloco_bytes_equal_the_formula(quantize):
     p, h, steps = 4, 4, 9
     rows, method = _recorded(p, "streaming-diloco", steps, adam=True, sync_every=h, fragments=2, overlap=1, quantize=quantize,
-                             block=16)
+                             scale_block=16)
     sizes = method.fragment_numels
     assert method.offsets == [0, 2] and sizes == [6 * 16 + 16, 16 * 10 + 10 + 10 + 10 + 10 * 5 + 5]
     # Fragment 1 meets at steps 2, 6; fragment 0 at 4, 8; leaving attach() exchanges both at once (step 9).
@@ -287,7 +287,7 @@ def test_streaming_diloco_bytes_equal_the_formula(quantize):
 STEPS = 9
 RESUME = {"demo": ({"demo": DeMoConfig(topk=4, chunk=16)}, {"optimizer": "sgd", "momentum": 0.0, "lr": 3e-3}, 5),
           # stopped at step 4: fragment 0's exchange there is merged at step 5, after the restart
-          "streaming-diloco": ({"streaming_diloco": StreamingDiLoCoConfig(sync_every=4, fragments=2, overlap=1, block=64)},
+          "streaming-diloco": ({"streaming_diloco": StreamingDiLoCoConfig(sync_every=4, fragments=2, overlap=1, scale_block=64)},
                                {"optimizer": "adamw", "lr": 1e-3}, 4)}
 
 
