@@ -1,6 +1,13 @@
+import signal
+
 import pytest
 
 from helpers import make_fake_fashion
+
+# A suite started under nohup inherits SIGHUP ignored, and so would every command a test starts: the tests that send
+# SIGHUP to one expect what a terminal's SIGHUP does (abtrain keeps a SIGHUP ignored by its starter ignored).
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

@@ -342,3 +342,17 @@ def test_python_m_abtrain_and_default_run_dir():
 def test_every_preset_of_examples_is_a_valid_configuration(preset):
     cfg = config_from_args(build_parser().parse_args(["train", "--config", str(ROOT / "examples" / preset)]))
     assert cfg.method == "ab"
+
+
+def test_a_renamed_flag_or_file_key_is_refused_naming_its_new_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--diloco-h", "4"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert "--diloco-h was renamed in abtrain 0.2.0: it is --diloco-sync-every now" in err
+    path = tmp_path / "old.toml"
+    path.write_text('method = "streaming-diloco"\n[streaming-diloco]\nblock = 64\n')
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'streaming_diloco.block' in config file" in err
+    assert "was renamed in abtrain 0.2.0: it is 'streaming-diloco-scale-block' now" in err

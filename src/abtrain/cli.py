@@ -8,10 +8,10 @@ line.
 from __future__ import annotations
 
 import argparse
-import shlex
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -25,7 +25,18 @@ if TYPE_CHECKING:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + error
-        self.exit(2, f"abtrain: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"abtrain: error: {_renamed_flag(message) or message} (see '{self.prog} --help')\n")
+
+
+def _renamed_flag(message: str) -> str | None:
+    """For argparse's "unrecognized arguments" that hold a flag renamed in 0.2.0: the line that names the new one."""
+    from .config import renamed
+    head = "unrecognized arguments: "
+    for token in message[len(head):].split() if message.startswith(head) else ():
+        new = renamed(token.split("=")[0]) if token.startswith("--") else None
+        if new:
+            return f"{token.split('=')[0]} was renamed in abtrain 0.2.0: it is --{new} now"
+    return None
 
 
 class _CheckingParser(_Parser):

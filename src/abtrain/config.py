@@ -333,7 +333,22 @@ def _drop_nulls(raw: dict[str, Any]) -> dict[str, Any]:
     return {k: _drop_nulls(v) if isinstance(v, dict) else v for k, v in raw.items() if v is not None}
 
 
+#: options renamed in abtrain 0.2.0 (old flag without its dashes -> new): a command line or file with an old name is
+#: told the new one
+RENAMED = {"ab-sync-dtype": "ab-sync-codec", "ab-powersgd-dtype": "ab-powersgd-codec",
+           "localsgd-h": "localsgd-sync-every", "hlocalsgd-h": "hlocalsgd-sync-every", "diloco-h": "diloco-sync-every",
+           "streaming-diloco-h": "streaming-diloco-sync-every", "powersgd-start-iter": "powersgd-warmup-steps",
+           "onebit-chunk-size": "onebit-scale-block", "streaming-diloco-block": "streaming-diloco-scale-block"}
+
+
+def renamed(key: str) -> str | None:
+    """The new flag (without dashes) of an option renamed in 0.2.0, from its old flag or file key; else None."""
+    return RENAMED.get(key.lstrip("-").replace(".", "-").replace("_", "-"))
+
+
 def _known(name: str, known: set[str], key: str, where: str) -> str:
+    if name not in known and renamed(key):
+        raise ValueError(f"{key!r} in {where} was renamed in abtrain 0.2.0: it is {renamed(key)!r} now")
     if name not in known:
         raise ValueError(f"unknown key {key!r} in {where}; valid keys are the flags of "
                          f"'abtrain train --help' without the dashes")

@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm.communicator import Communicator
 from ..comm.digest import same_everywhere
 from ..comm.topology import Topology
-from .loop import BackwardWatch, EagerFirstForward, LoopContract, compiled_inner, plain_state_dict
+from .compiled import EagerFirstForward, compiled_inner
+from .loop import BackwardWatch, LoopContract, plain_state_dict
 from .memory import (dense_training_state_bytes, moments_per_element, peak_state_total, scalar_state_bytes,
                      training_state_parts)
 from .resume import dcp_call

@@ -14,7 +14,6 @@ be caught.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -73,7 +72,7 @@ def _redeliver(signum: int) -> None:
     while not _acknowledged.wait(REDELIVER_S):
         if _received and _received[0] == 0:
             return  # a clean-up holds the signals
-        os.kill(os.getpid(), signum)
+        signal.pthread_kill(threading.main_thread().ident, signum)  # the thread whose handler raises, woken
 
 
 def _unraisable(info: Any) -> None:

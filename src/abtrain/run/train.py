@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
@@ -26,8 +25,6 @@ from .progress import Progress, eval_line
 from .results import TensorBoard, count_multiply_adds, gather_memory, peak_rss_bytes, results_record, summary_table, write_metrics_csv
 from .rundir import write_status
 from .safefile import NoSpaceError, is_no_space, read_text, write_json
-
-log = logging.getLogger(__name__)
 
 
 class Trainer:

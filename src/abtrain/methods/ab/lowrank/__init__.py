@@ -21,7 +21,7 @@ This package is single-process. Where workers must agree (the rank of each layer
 the pieces are exposed separately: :func:`svd` (or :func:`svd_update`) -> :meth:`RankRule.choose` ->
 all-reduce(MAX) by the caller -> :func:`decompose` / :func:`decompose_all`.
 
-Its rooms: ``layers`` (the parametrization, preparing a model, modes), ``ranks``
+Its rooms: ``layers`` (the parametrization, preparing a model), ``modes`` (W or A·B, which factor trains), ``ranks``
 (rank rules), ``decompose`` (SVD, factors, initialisation), ``optimizer_state``
 (the factors' optimizer state resized, mapped into a new basis or dropped),
 ``report`` (counts, ratios, per-layer lines, the output layer). The plain
@@ -33,7 +33,8 @@ state_dict that folds the parametrizations back is every method's export
 from .decompose import (SVD, SVDError, LowRankSum, decompose, decompose_all, ortho_sigma_init, recompose, svd,
                         svd_update, tangent_parts, unit_spectrum)
 from .layers import (APPLY_MODES, DEFAULT_FULL_RANK_PATTERNS, ORIENTATIONS, FactorizedParam, LowRankWeight,
-                     factors_cheaper, prepare_model, set_mode, set_trainable)
+                     factors_cheaper, prepare_model)
+from .modes import set_mode, set_trainable
 from .optimizer_state import map_state, reset_state, resize_state
 from .ranks import RankRule, factors_compress, paying_rank, state_rank
 from .report import (ab_param_count, compression_ratio, decision_lines, describe, format_ratio, full_param_count,

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from ...registry import MethodInputError
-from .layers import Factor, FactorizedParam, Split, release_weight, replace_data, restore_weight, set_mode
+from .layers import Factor, FactorizedParam, Split, release_weight, replace_data, restore_weight
+from .modes import set_mode
 from .optimizer_state import map_state, resize_state
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import fnmatch
 import logging
 import math
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,7 +40,6 @@ ORIENTATIONS: tuple[str, ...] = ("as-is", "tall")
 DEFAULT_FULL_RANK_PATTERNS: tuple[str, ...] = ("stem.*", "head.*", "tok_emb.*", "pos_emb.*", "*embed*")
 
 _MODES = ("full", "lowrank")
-_ROLES = ("A", "B", "both", "full")
 
 
 class LowRankWeight(nn.Module):
@@ -367,46 +366,3 @@ def prepare_model(
         records.append(FactorizedParam(name, mod, pname, lr.shape, lr.m, lr.n, lr))
     return records
 
-
-def set_mode(records: Iterable[FactorizedParam], mode: Mode) -> None:
-    """Switch the forward pass to W ("full") or A@B ("lowrank"), with matching requires_grad.
-
-    This does not move values: use :func:`decompose` / :func:`recompose` for that.
-    Lowrank mode trains A and B (narrow with :func:`set_trainable`); full mode trains W.
-    """
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    for fp in records:
-        if mode == "lowrank" and fp.rank == 0:
-            raise ValueError(f"{fp.name} has no factors yet; call decompose before switching to lowrank")
-        fp.param.mode = mode
-        low = mode == "lowrank"
-        fp.weight.requires_grad_(not low)
-        fp.A.requires_grad_(low)
-        fp.B.requires_grad_(low)
-
-
-def set_trainable(records: Iterable[FactorizedParam], role: str) -> None:
-    """Choose which factor trains: role "A" (B frozen), "B" (A frozen), "both" or "full".
-
-    Applies to layers in lowrank mode; layers in full mode always train W (and
-    role "full" requires every layer to be in full mode). Frozen tensors get
-    ``requires_grad=False`` and so no gradient, which optimizers skip.
-    """
-    if role not in _ROLES:
-        raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
-    for fp in records:
-        if fp.mode == "full":
-            fp.weight.requires_grad_(True)
-            fp.A.requires_grad_(False)
-            fp.B.requires_grad_(False)
-            continue
-        if role == "full":
-            raise ValueError(f'{fp.name} is in lowrank mode; recompose it before role "full"')
-        fp.weight.requires_grad_(False)
-        fp.A.requires_grad_(role in ("A", "both"))
-        fp.B.requires_grad_(role in ("B", "both"))
-        if not fp.A.requires_grad:
-            fp.A.grad = None
-        if not fp.B.requires_grad:
-            fp.B.grad = None
