@@ -9,11 +9,14 @@ a head on Fashion-MNIST; AdamW, OneCycleLR, gradient clipping, 2 micro-batches p
 ``--method ddp`` is the script as written for DistributedDataParallel; any other method is the
 same script with the 6 lines of docs/own-loop.md changed. Rank 0 writes the run's figures
 (wall, time inside each phase of the method, accuracy, bytes) to ``--out`` as JSON.
-``benchmarks/wall_vs_ddp.py`` runs it for several methods and prints the table.
+``benchmarks/wall_vs_ddp.py`` runs it for several methods and prints the table. With ``--ckpt FILE
+--stop-after N`` rank 0 saves the model's, the optimizer's and the scheduler's state_dicts after N steps, as DDP
+scripts do, and the run stops; ``--ckpt FILE --resume`` loads that file on every worker and goes on.
 """
 import argparse
 import contextlib
 import json
+import sys
 import time
 
 import torch
@@ -37,6 +40,10 @@ parser.add_argument("--synthetic", action="store_true", help="generated data of 
 parser.add_argument("--limit", type=int, help="use only the first N training samples")
 parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
 parser.add_argument("--out", help="rank 0 writes the run's figures here (JSON)")
+parser.add_argument("--ckpt", help="DDP's checkpoint habit: rank 0 saves the model's, the optimizer's and the scheduler's "
+                    "state_dicts here after --stop-after steps, and --resume loads that file on every worker")
+parser.add_argument("--stop-after", type=int, metavar="N", help="save --ckpt after N optimizer steps and stop")
+parser.add_argument("--resume", action="store_true", help="continue from --ckpt")
 parser.add_argument("--profile", type=int, default=0, metavar="N",
                     help="rank 0 prints the N functions with the most time inside them (cProfile, cumulative)")
 args = parser.parse_args()
@@ -91,6 +98,13 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
 sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=total)
 if method is not None:
     method.attach(opt)
+done = 0  # optimizer steps taken, a resumed run's included
+if args.resume:
+    saved = torch.load(args.ckpt)  # every worker loads rank 0's file
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])  # with an abtrain method attached: its state too
+    sched.load_state_dict(saved["sched"])
+    done = saved["step"]
 
 autocast = torch.autocast("cpu", dtype=torch.bfloat16)
 profiler = None
@@ -104,7 +118,11 @@ for epoch in range(args.epochs):
     g = torch.Generator().manual_seed(args.seed + epoch)
     order = torch.randperm(len(x_train), generator=g)[:steps_per_epoch * world * args.batch]
     mine = order.view(steps_per_epoch, world, args.batch)[:, rank]
-    for idx in mine:
+    for k, idx in enumerate(mine):
+        if epoch * steps_per_epoch + k < done:
+            continue  # taken before the checkpoint
+        if done == args.stop_after:
+            break
         t0 = time.perf_counter()
         phase = method.phase if method is not None else "ddp"
         x, y = x_train[idx], y_train[idx]
@@ -116,7 +134,15 @@ for epoch in range(args.epochs):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()  # with an abtrain method attached: its syncs and decompositions run in this call
         sched.step()
+        done += 1
         step_seconds[phase] = step_seconds.get(phase, 0.0) + time.perf_counter() - t0
+if done == args.stop_after:
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": done},
+                   args.ckpt)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0)
 if method is not None:
     method.detach()
 train_seconds = time.perf_counter() - start
