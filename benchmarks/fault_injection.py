@@ -165,7 +165,8 @@ def start_fault(method: str, run_dir: Path, how: str) -> dict:
          "PYTHONPATH": os.pathsep.join([str(plugin), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", hostile.PATCHED_DEADLINE, "3" if how == "deadline" else "600",
-                             "train", *JOB, *METHODS[method], "--checkpoint-every", "3", "--out", str(run_dir)],
+                             "train", *JOB, *METHODS[method], "--checkpoint-every", "3", "--timeout", "1",
+                             "--out", str(run_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
     if how == "fork server killed":
         server, deadline = None, time.time() + 120
