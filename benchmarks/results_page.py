@@ -48,7 +48,7 @@ PENDING = {
         "`shakespeare-gpt` (the character GPT, 2000 AdamW steps) has no full-budget table yet: one run "
         "takes 25–35 minutes on this machine, so the twelve runs of a table take about six hours. Its "
         "quick-budget numbers (60 steps, seed 0) are in "
-        "[`docs/methods.md`](methods.md#measured-the-benchs-quick-budgets-one-seed), \"Measured: the "
+        "[`docs/notebook/2026-12-peers-measured.md`](notebook/2026-12-peers-measured.md), \"Measured: the "
         "bench's quick budgets, one seed\". Full-budget GPT runs of the defaults against DDP, PowerSGD "
         "and DiLoCo, made before the rank cap and partly on other machines, are in the note "
         "[`docs/notebook/2026-12-the-defaults.md`](notebook/2026-12-the-defaults.md), \"The defaults\"."),
