@@ -268,7 +268,7 @@ def plan(variant: str, args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if name == "ab":  # warm-up steps, then --cycles syncs, each followed by a decomposition (and one at the end)
         warmup = warm + max(2, steps // 2) + 1  # the last warm-up step ends with the first decomposition
         last_sync = (warmup // args.cycle + args.cycles) * args.cycle  # syncs fall at multiples of the cycle
-        return {**options, "warmup_steps": warmup, "cycle_steps": args.cycle}, last_sync + 1
+        return {**options, "warmup_steps": warmup, "sync_every": args.cycle}, last_sync + 1
     return dict(options), warm + steps
 
 
@@ -285,7 +285,7 @@ def default_phases(variant: str, run_steps: int) -> tuple[dict[str, int], dict[s
         decompositions = sum(sched.decomposes_at(t) for t in range(1, run_steps + 1)) + (sched.warmup == 0)
         first = 1 if sched.warmup < run_steps else 0
         events = {"sync": sched.syncs(), "decompose_first": first, "decompose": decompositions - first}
-        return phases, events, {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps,
+        return phases, events, {"warmup_steps": sched.warmup, "sync_every": sched.sync_every,
                                 "rebound_steps": sched.rebound, "describe": sched.describe()}
     if name == "powersgd":
         from abtrain.methods.powersgd import PowerSGDConfig

@@ -79,7 +79,7 @@ JOB = ["--method", "ddp", "--workers", "2", "--model", "mlp", "--dataset", "synt
        "--eval-every", "10", "--log-every", "1", "--seed", "3"]
 METHODS = {
     "ddp": ["--method", "ddp"],
-    "ab": ["--method", "ab", "--group-size", "1", "--ab-warmup-steps", "4", "--ab-cycle-steps", "8",
+    "ab": ["--method", "ab", "--group-size", "1", "--ab-warmup-steps", "4", "--ab-sync-every", "8",
            "--ab-rebound-steps", "2", "--ab-rank-fraction", "0.25"],
 }
 
@@ -227,7 +227,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
     bad_values = ["0", "-1", "-7", "abc", "nan", "inf", "1e400", "", "1.5"]
     positive_ints = ["--workers", "--batch-size", "--block-size", "--epochs", "--steps", "--eval-every", "--log-every",
                      "--group-size", "--threads", "--limit-train", "--limit-test", "--checkpoint-every", "--stop-after",
-                     "--ab-cycle-steps", "--localsgd-sync-every", "--diloco-sync-every", "--powersgd-rank"]
+                     "--ab-sync-every", "--localsgd-sync-every", "--diloco-sync-every", "--powersgd-rank"]
     positive_floats = ["--lr", "--timeout", "--bucket-cap-mb", "--grad-clip", "--diloco-outer-lr"]
     unit_interval = ["--momentum", "--label-smoothing", "--ab-tau", "--ab-rank-fraction",
                      "--diloco-outer-momentum"]
@@ -259,7 +259,7 @@ def bad_argvs(tmp: Path) -> list[list[str]]:
     conflicts = [
         ["--method", "ab", "--group-size", "2"],  # one group of 2 workers: AB needs two groups
         ["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"],
-        ["--method", "ab", "--group-size", "1", "--ab-rebound-steps", "8", "--ab-cycle-steps", "8"],
+        ["--method", "ab", "--group-size", "1", "--ab-rebound-steps", "8", "--ab-sync-every", "8"],
         ["--method", "ab", "--group-size", "1", "--ab-full-rank", "*"],
         ["--group-size", "3"],
         ["--stop-after", "2"],

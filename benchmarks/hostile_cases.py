@@ -768,7 +768,7 @@ def one_line_cases(tmp: Path) -> list[dict]:
     for n, (lr, split) in enumerate([("1e6", "tangent"), ("1e4", "tangent"), ("1e6", "sigma"), ("1e8", "sqrt")]):
         extra = ["--ab-sync", "with-stale"] if split != "tangent" else []
         code, stderr, seconds = _run(ABTRAIN + ["train", *FUZZ_JOB, "--method", "ab", "--group-size", "1",
-                                                "--steps", "12", "--ab-warmup-steps", "0", "--ab-cycle-steps", "3",
+                                                "--steps", "12", "--ab-warmup-steps", "0", "--ab-sync-every", "3",
                                                 "--ab-split", split, *extra, "--lr", lr,
                                                 "--out", str(tmp / f"div-{n}")])
         handled = one_error_line(code, stderr, 1) and ("inf or nan" in stderr or "became nan" in stderr)

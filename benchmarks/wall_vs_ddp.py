@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/wall_vs_ddp.py                                  # every workload, seeds 0 and 1
     .venv/bin/python benchmarks/wall_vs_ddp.py --workloads user-script,fashion-cnn --seeds 0
-    .venv/bin/python benchmarks/wall_vs_ddp.py --ab-flags "--ab-min-cycle-steps 1"    # another AB configuration
+    .venv/bin/python benchmarks/wall_vs_ddp.py --ab-flags "--ab-min-sync-every 1"    # another AB configuration
 
 For each workload and seed, DDP and AB-training run one after another (DDP first), each as the
 workload's own command: `abtrain train` with the flags `abtrain bench` gives the method for

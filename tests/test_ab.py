@@ -147,11 +147,11 @@ def _train(topo, options, optimizer="sgd", steps=STEPS, plan=False):
     # the paper's fp32 phases and with-stale sync, whose byte formulas these tests check, with the payload and
     # the core the tangent split had before they followed it; options over them as flags over a config file
     # (a rank rule in options replaces the paper's tau)
-    base = {**PAPER, "warmup_steps": T_W, "cycle_steps": K, "rebound_steps": F, "lr_rebound_steps": 0,
+    base = {**PAPER, "warmup_steps": T_W, "sync_every": K, "rebound_steps": F, "lr_rebound_steps": 0,
             "sync_payload": "factors", "tangent_core": "sum", "sync_moments": True, "min_rank": 8, "init": "default"}
     options = dict(options)
     if options.pop("defaults", False):  # abtrain's defaults, with only the schedule of these tests in steps
-        base = {"warmup_steps": T_W, "cycle_steps": K}
+        base = {"warmup_steps": T_W, "sync_every": K}
     cfg = ABConfig(**merge({"ab": base}, {"ab": options})["ab"])
     method = ABTraining(comm, topo, cfg)
     model = method.prepare(model)
@@ -838,7 +838,7 @@ def _ddp_wrapped(topo):
     torch.manual_seed(0)
     ddp = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                                                 nn.Linear(64, 16)))
-    method = ABTraining(Communicator(), topo, ABConfig(warmup_steps=1, cycle_steps=3, rebound_steps=1))
+    method = ABTraining(Communicator(), topo, ABConfig(warmup_steps=1, sync_every=3, rebound_steps=1))
     model = method.prepare(ddp)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(topo.rank)
@@ -870,7 +870,7 @@ def test_a_ddp_wrapped_model_is_unwrapped_and_trains(runs):
 def test_method_state_of_another_layout_is_refused_naming_the_abtrain_that_wrote_it():
     """The method's state in the optimizer's state_dict carries its layout and the abtrain that wrote it; a
     state of another layout (the unnumbered earlier one, or a newer one) is refused in one line."""
-    cfg = ABConfig(warmup_steps=1, cycle_steps=3)
+    cfg = ABConfig(warmup_steps=1, sync_every=3)
     method = ABTraining(Communicator(), Topology(rank=0, world_size=4, local_world_size=4, group_size=2), cfg)
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -378,9 +378,9 @@ def test_derived_defaults_are_resolved_once_and_check_computes_nothing():
 
 
 def test_the_schedule_holds_its_own_rule():
-    ABConfig(rebound_steps=4, cycle_steps=4)  # options; the schedule they give is what must hold
-    for build in (lambda: Schedule(warmup=0, cycle_steps=4, rebound=4, lr_rebound=0),
-                  lambda: Schedule.from_config(ABConfig(warmup_steps=2, rebound_steps=4, cycle_steps=4), None),
-                  lambda: Schedule.from_config(ABConfig(rebound_steps=3, cycle_fraction=0.01, min_cycle_steps=1), 300)):
-        with pytest.raises(ValueError, match=r"^--ab-rebound-steps \(F=\d\) must be smaller than the cycle"):
+    ABConfig(rebound_steps=4, sync_every=4)  # options; the schedule they give is what must hold
+    for build in (lambda: Schedule(warmup=0, sync_every=4, rebound=4, lr_rebound=0),
+                  lambda: Schedule.from_config(ABConfig(warmup_steps=2, rebound_steps=4, sync_every=4), None),
+                  lambda: Schedule.from_config(ABConfig(rebound_steps=3, sync_fraction=0.01, min_sync_every=1), 300)):
+        with pytest.raises(ValueError, match=r"^--ab-rebound-steps \(F=\d\) must be smaller than the period"):
             build()

@@ -14,7 +14,7 @@ from abtrain.methods.ab import PAPER, ABConfig, ABTraining, Schedule
 #: The configuration the notes in docs/notebook/ call "the earlier defaults": examples/ab-earlier-defaults.toml
 #: must hold each of these values, so that those results can be reproduced from it.
 EARLIER_DEFAULTS = {
-    "warmup_fraction": 0.5, "cycle_fraction": 0.06, "tau": 0.15, "split": "sqrt", "sync_payload": "factors",
+    "warmup_fraction": 0.5, "sync_fraction": 0.06, "tau": 0.15, "split": "sqrt", "sync_payload": "factors",
     "tangent_core": "sum", "powersgd_rank": 8, "linear_apply": "weight", "rank_cap": "none",
 }
 
@@ -34,13 +34,13 @@ def _phases(s: Schedule, total: int) -> list[tuple[str, int, int]]:
 def test_paper_fractions_scale_with_the_budget(total):
     s = Schedule.from_config(ABConfig(**PAPER), total)
     assert s.warmup == round(0.25 * total)
-    assert s.cycle_steps == max(2, round(0.06 * total))
-    assert 1 <= s.rebound < s.cycle_steps and s.rebound == max(1, round(0.1 * s.cycle_steps))
+    assert s.sync_every == max(2, round(0.06 * total))
+    assert 1 <= s.rebound < s.sync_every and s.rebound == max(1, round(0.1 * s.sync_every))
     assert s.lr_rebound > s.rebound
     phases = _phases(s, total)
     assert phases[0] == ("warmup", 0, s.warmup)
     # a sync at every multiple of K after the warm-up, each followed by F rebound steps
-    syncs = [k * s.cycle_steps for k in range(1, total // s.cycle_steps + 1) if s.warmup < k * s.cycle_steps < total]
+    syncs = [k * s.sync_every for k in range(1, total // s.sync_every + 1) if s.warmup < k * s.sync_every < total]
     assert [start for p, start, _ in phases if p == "rebound"] == syncs
     assert all(end - start == s.rebound for p, start, end in phases if p == "rebound" and end < total)
     assert 10 <= s.syncs() <= 13
@@ -49,15 +49,15 @@ def test_paper_fractions_scale_with_the_budget(total):
 @pytest.mark.parametrize("total", [60, 702, 2000, 45000])
 def test_default_fractions_scale_with_the_budget(total):
     s = Schedule.from_config(ABConfig(), total)
-    assert s.warmup == round(0.01 * total) and s.cycle_steps == max(16, round(0.015 * total))  # the floor: 16
+    assert s.warmup == round(0.01 * total) and s.sync_every == max(16, round(0.015 * total))  # the floor: 16
     assert (s.floored_from is not None) == (round(0.015 * total) < 16)
     assert s.rebound == 0 and s.lr_rebound == 0  # the next decomposition follows each sync at once
     phases = _phases(s, total)
     assert phases == [("warmup", 0, s.warmup), ("ab", s.warmup, total)]
     # the syncs at the multiples of K, the one after the last step included, and the one that ends a run inside
     # an AB phase (leaving attach() brings every worker to one model)
-    scheduled = len([k for k in range(1, total // s.cycle_steps + 1) if s.warmup < k * s.cycle_steps <= total])
-    assert s.syncs() == scheduled + (1 if total % s.cycle_steps else 0)
+    scheduled = len([k for k in range(1, total // s.sync_every + 1) if s.warmup < k * s.sync_every <= total])
+    assert s.syncs() == scheduled + (1 if total % s.sync_every else 0)
     assert s.syncs() == {60: 4, 702: 44, 2000: 67, 45000: 67}[total]
 
 
@@ -74,7 +74,7 @@ def test_the_earlier_defaults_file_and_what_the_defaults_follow():
     assert all(getattr(ABConfig(), k) != v for k, v in EARLIER_DEFAULTS.items())
     # the defaults are the configuration docs/notebook/2026-12-the-defaults.md measured on the three workloads under
     # these flags, with the rank cap and the fast path of docs/notebook/2026-12-fast-path.md
-    recipe = dict(tau=0.05, powersgd_rank=31, warmup_fraction=0.01, cycle_fraction=0.015, split="tangent",
+    recipe = dict(tau=0.05, powersgd_rank=31, warmup_fraction=0.01, sync_fraction=0.015, split="tangent",
                   sync_payload="lowrank", tangent_core="mean", linear_apply="auto", svd="update", rank_cap="pays")
     assert ABConfig() == ABConfig(**recipe) and ABConfig(**{**EARLIER_DEFAULTS, **recipe}) == ABConfig()
     # the split, the payload and the core follow the sync: the tangent merge needs only-learned
@@ -104,8 +104,8 @@ def test_a_flags_rank_rule_replaces_the_config_files():
 
 
 def test_absolute_steps_override_fractions_and_need_no_budget():
-    s = Schedule.from_config(ABConfig(warmup_steps=3, cycle_steps=6, rebound_steps=2, lr_rebound_steps=0), None)
-    assert (s.warmup, s.cycle_steps, s.rebound, s.lr_rebound) == (3, 6, 2, 0)
+    s = Schedule.from_config(ABConfig(warmup_steps=3, sync_every=6, rebound_steps=2, lr_rebound_steps=0), None)
+    assert (s.warmup, s.sync_every, s.rebound, s.lr_rebound) == (3, 6, 2, 0)
     assert _phases(s, 20) == [("warmup", 0, 3), ("ab", 3, 6), ("rebound", 6, 8), ("ab", 8, 12),
                               ("rebound", 12, 14), ("ab", 14, 18), ("rebound", 18, 20)]
     with pytest.raises(ValueError, match="total_steps=N"):
@@ -113,7 +113,7 @@ def test_absolute_steps_override_fractions_and_need_no_budget():
 
 
 def test_warmup_zero_and_rebound_zero_events():
-    s = Schedule.from_config(ABConfig(warmup_steps=0, cycle_steps=4, rebound_steps=0), None)
+    s = Schedule.from_config(ABConfig(warmup_steps=0, sync_every=4, rebound_steps=0), None)
     assert s.phase_at(0) == "ab" and all(s.phase_at(t) == "ab" for t in range(12))
     # at each multiple of K: the sync and the truncated decomposition, back to back
     assert [t for t in range(1, 13) if s.events(t) == (True, True)] == [4, 8, 12]
@@ -121,13 +121,13 @@ def test_warmup_zero_and_rebound_zero_events():
 
 
 def test_a_warmup_that_fills_the_run_never_decomposes():
-    s = Schedule.from_config(ABConfig(warmup_steps=10, cycle_steps=4, rebound_steps=0), 10)
+    s = Schedule.from_config(ABConfig(warmup_steps=10, sync_every=4, rebound_steps=0), 10)
     assert all(s.events(t) == (False, False) for t in range(1, 15))
     assert {s.phase_at(t) for t in range(15)} == {"warmup"}
     # a full-rank last phase goes on past the budget; an AB phase keeps its cycles
-    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=2), 10)  # a sync at 8, then F
+    s = Schedule.from_config(ABConfig(warmup_steps=2, sync_every=4, rebound_steps=2), 10)  # a sync at 8, then F
     assert s.phase_at(9) == "rebound" and {s.phase_at(t) for t in range(10, 20)} == {"rebound"}
-    s = Schedule.from_config(ABConfig(warmup_steps=2, cycle_steps=4, rebound_steps=1), 10)
+    s = Schedule.from_config(ABConfig(warmup_steps=2, sync_every=4, rebound_steps=1), 10)
     assert s.phase_at(9) == "ab" and s.events(12) == (True, False) and s.phase_at(13) == "ab"
 
 
@@ -156,7 +156,7 @@ class Proto(nn.Module):
 
 def _train_single(options: dict, steps: int = 6) -> ABTraining:
     torch.manual_seed(0)
-    cfg = ABConfig(sync="only-b", only_b_groups="world", cycle_steps=3, rebound_steps=1, **options)
+    cfg = ABConfig(sync="only-b", only_b_groups="world", sync_every=3, rebound_steps=1, **options)
     method = ABTraining(Communicator(), Topology(), cfg)
     method.set_total_steps(steps)
     model = method.prepare(Proto())

@@ -42,7 +42,7 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int = 0) 
 
 def _single(name: str) -> Method:
     if name == "ab":  # one process: only-b is the layout AB-training allows there
-        return ABTraining(Communicator(), Topology(), ABConfig(sync="only-b", warmup_steps=1, cycle_steps=2,
+        return ABTraining(Communicator(), Topology(), ABConfig(sync="only-b", warmup_steps=1, sync_every=2,
                                                                min_rank=1))
     # Streaming DiLoCo's default 4 fragments need 4 modules with parameters; this MLP has 3.
     return build_method(name, Communicator(), Topology(), **({"fragments": 2} if name == "streaming-diloco" else {}))
@@ -110,7 +110,7 @@ def test_export_loads_into_the_plain_class():
 
 
 def test_last_lr_is_the_lr_applied():
-    cfg = ABConfig(sync="only-b", warmup_steps=2, cycle_steps=4, rebound_steps=0, lr_rebound_steps=4, min_rank=1,
+    cfg = ABConfig(sync="only-b", warmup_steps=2, sync_every=4, rebound_steps=0, lr_rebound_steps=4, min_rank=1,
                    lr_floor=0.0)
     method = ABTraining(Communicator(), Topology(), cfg)
     model = method.prepare(_mlp())
@@ -127,10 +127,10 @@ def test_quiet_and_printed_once(capsys):
     abtrain.setup("ab", total_steps=40, sync="only-b")
     out = capsys.readouterr().out
     # 1 % of the 40 steps, and 1.5 % of them (every 1) raised to the floor
-    assert out.count("AB-training schedule: warm-up 0 steps, sync every 16 (the floor, --ab-min-cycle-steps: the "
-                     "cycle fraction gives every 2 in a run this short)") == 1
+    assert out.count("AB-training schedule: warm-up 0 steps, sync every 16 (the floor, --ab-min-sync-every: "
+                     "--ab-sync-fraction gives every 2 in a run this short)") == 1
     abtrain.setup("ab", total_steps=40, sync="only-b", quiet=True)
-    abtrain.setup("ab", sync="only-b", warmup_steps=4, cycle_steps=4, quiet=True)  # planned while built
+    abtrain.setup("ab", sync="only-b", warmup_steps=4, sync_every=4, quiet=True)  # planned while built
     assert capsys.readouterr().out == ""
 
 
@@ -166,14 +166,14 @@ def _setup_in_users_world(steps: int, split: str) -> dict:
     with contextlib.redirect_stdout(out):
         # phases of several steps (the defaults' sync every 1.5 % of 100 steps would leave one step between syncs)
         method = abtrain.setup("ab", total_steps=steps, rank_fraction=0.5, min_rank=1, split=split,
-                               warmup_fraction=0.5, cycle_fraction=0.06)
+                               warmup_fraction=0.5, sync_fraction=0.06)
     torch.manual_seed(dist.get_rank())  # different initial weights: prepare() must broadcast rank 0's
     model = method.prepare(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     method.attach(opt)
     result = {"groups": method.topo.num_groups, "group_size": method.topo.group_size, "stdout": out.getvalue(),
               "owns": method.topo.owns_world}
-    K = method.schedule.cycle_steps
+    K = method.schedule.sync_every
     # Train until inside an AB phase, with the next step still in it (each worker its own data).
     while method.in_consensus() or (method.t + 1) % K == 0:
         assert method.t < steps
@@ -288,7 +288,7 @@ def test_conversion_diff_is_six_lines_and_the_example_is_it():
 
 
 def _state_capped_ranks(memory_dtype: str) -> dict:
-    method = abtrain.setup("ab", total_steps=3, quiet=True, warmup_steps=0, cycle_steps=3, rank_fraction=1.0,
+    method = abtrain.setup("ab", total_steps=3, quiet=True, warmup_steps=0, sync_every=3, rank_fraction=1.0,
                            rank_cap="state", sync_memory_dtype=memory_dtype)
     model = method.prepare(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                                          nn.Linear(256, 4)))

@@ -17,7 +17,7 @@ from abtrain.run.train import Trainer
 from helpers import run_world
 
 # AB schedule: warm-up steps 0-1, AB 2-6, rebound 7-8, AB 9-11, rebound 12-13, AB 14-15.
-AB = dict(warmup_steps=2, cycle_steps=5, rebound_steps=2, lr_rebound_steps=3, rank_fraction=0.25)
+AB = dict(warmup_steps=2, sync_every=5, rebound_steps=2, lr_rebound_steps=3, rank_fraction=0.25)
 # ab: stop inside an AB phase (groups differ), and inside a rebound; ab-tangent: inside an AB phase, where the
 # next sync needs the SVD the factors started from; ab-lowrank: between two syncs, whose second sends what the
 # first left in each worker's error memory; ab-update: the same with no rebound and updated SVDs, stopped between

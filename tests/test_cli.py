@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import abtrain
 from abtrain.cli import build_parser, config_from_args, main
 from abtrain.methods.summary import human_bytes
 from helpers import OLD_AB_DEFAULTS
@@ -113,7 +114,7 @@ def test_ab_end_to_end_with_config_file(tmp_path, fashion_dir):
     out = tmp_path / "ab"
     cfg = tmp_path / "ab.toml"
     cfg.write_text('method = "ab"\nworkers = 4\ngroup-size = 2\nsteps = 100\n'
-                   '[ab]\nwarmup-steps = 2\ncycle-steps = 4\nrebound-steps = 1\nrank-fraction = 0.25\nquiet = true\n')
+                   '[ab]\nwarmup-steps = 2\nsync-every = 4\nrebound-steps = 1\nrank-fraction = 0.25\nquiet = true\n')
     p = run(["train", "--config", str(cfg), "--data-dir", str(fashion_dir), "--model", "cnn", "--out", str(out), *TINY,
              "--steps", "12"])  # the flag overrides the file's steps
     assert p.returncode == 0, p.stderr
@@ -141,7 +142,7 @@ BAD = [
     (["--method", "ab", "--workers", "1"], "world of one process: start it with --workers 2"),
     (["--method", "ab", "--group-size", "3", "--workers", "4"], "cannot be split into groups of 3"),
     (["--method", "ab", "--group-size", "1", "--ab-tau", "1.5"], "tau"),
-    (["--method", "ab", "--group-size", "1", "--ab-rebound-steps", "10", "--ab-cycle-steps", "10"], "must be smaller"),
+    (["--method", "ab", "--group-size", "1", "--ab-rebound-steps", "10", "--ab-sync-every", "10"], "must be smaller"),
     (["--method", "ab", "--group-size", "1", "--ab-full-rank", "*"], "nothing to factorise"),
     (["--method", "ab", "--group-size", "1", "--ab-tau", "0.2", "--ab-rank", "3"], "choose one rank rule"),
     (["--method", "ab", "--group-size", "1", "--ab-split", "tangent", "--ab-sync", "with-stale"],
@@ -247,11 +248,11 @@ FLAGS = {
     "--grad-clip", "--seed", "--out", "--eval-every", "--log-every", "--group-size", "--backend", "--device",
     "--threads", "--bucket-cap-mb", "--block-size", "--limit-train", "--limit-test", "--timeout", "--ledger",
     "--no-ledger", "--checkpoint-every", "--stop-after", "--max-restarts", "--resume",
-    "--ab-warmup-steps", "--ab-cycle-steps", "--ab-min-cycle-steps", "--ab-rebound-steps", "--ab-tau", "--ab-rank", "--ab-rank-fraction",
+    "--ab-warmup-steps", "--ab-sync-every", "--ab-min-sync-every", "--ab-rebound-steps", "--ab-tau", "--ab-rank", "--ab-rank-fraction",
     "--ab-sync",
     "--ab-lr-rebound-steps", "--ab-lr-floor", "--ab-split",
     "--ab-optimizer-state", "--ab-init", "--ab-init-scope", "--ab-orientation", "--ab-only-b-sync", "--ab-full-rank",
-    "--ab-warmup-fraction", "--ab-cycle-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
+    "--ab-warmup-fraction", "--ab-sync-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank",
     "--ab-powersgd-codec", "--ab-scale-block",
     "--ab-sync-codec", "--ab-outer-lr", "--ab-outer-momentum", "--ab-sync-memory-dtype", "--ab-sync-payload", "--ab-sync-rank",
@@ -289,7 +290,7 @@ def test_ab_run_dir_is_plain_versioned_and_repeatable(tmp_path, fashion_dir):
 
     out = tmp_path / "ab"
     p = run(["train", "--method", "ab", "--workers", "2", "--data-dir", str(fashion_dir), "--model", "mlp",
-             "--out", str(out), "--eval-every", "3", "--ab-warmup-steps", "2", "--ab-cycle-steps", "3",
+             "--out", str(out), "--eval-every", "3", "--ab-warmup-steps", "2", "--ab-sync-every", "3",
              "--ab-lr-rebound-steps", "2", *TINY, "--steps", "8"])
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("one node of 2 workers: 2 groups of 1 (--group-size to choose)") == 1
@@ -356,3 +357,19 @@ def test_a_renamed_flag_or_file_key_is_refused_naming_its_new_name(tmp_path, cap
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'streaming_diloco.block' in config file" in err
     assert "was renamed in abtrain 0.2.0: it is 'streaming-diloco-scale-block' now" in err
+    for flag, new in (("--ab-cycle-steps", "--ab-sync-every"), ("--ab-cycle-fraction", "--ab-sync-fraction"),
+                      ("--ab-min-cycle-steps", "--ab-min-sync-every")):
+        with pytest.raises(SystemExit):
+            main(["train", "--method", "ab", flag, "4"])
+        assert f"{flag} was renamed in abtrain 0.2.0: it is {new} now" in capsys.readouterr().err
+    path.write_text('method = "ab"\n[ab]\ncycle-fraction = 0.03\n')
+    assert main(["train", "--config", str(path)]) == 2
+    assert "was renamed in abtrain 0.2.0: it is 'ab-sync-fraction' now" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, old, new", [("ab", "cycle_steps", "sync_every"), ("diloco", "h", "sync_every"),
+                                              ("streaming-diloco", "block", "scale_block")])
+def test_a_renamed_keyword_of_setup_is_refused_naming_its_new_name(method, old, new):
+    with pytest.raises(ValueError, match=rf"^setup\('{method}'\) option '{old}' was renamed in abtrain 0.2.0: "
+                                         rf"it is '{new}' now$"):
+        abtrain.setup(method, **{old: 4})

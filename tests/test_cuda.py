@@ -54,7 +54,7 @@ def test_ab_training_steps_on_the_device_in_one_process(device):
     """only-b runs in a world of one: warm-up, a decomposition, AB steps, syncs, all on the device's tensors."""
     torch.manual_seed(0)
     method = abtrain.setup("ab", total_steps=9, device=device, quiet=True, sync="only-b", warmup_steps=2,
-                           cycle_steps=3, min_rank=1)
+                           sync_every=3, min_rank=1)
     assert method.topo.device.type == device
     model, losses = _train(method, 9, seed=0)
     assert all(math.isfinite(v) for v in losses)
@@ -90,7 +90,7 @@ def test_collective_times_on_the_gpu_come_from_cuda_events():
 
 def _train_in_world(name: str, device: str, backend: str) -> dict:
     torch.manual_seed(0)
-    options = {"warmup_steps": 2, "cycle_steps": 3, "min_rank": 1} if name == "ab" else {}
+    options = {"warmup_steps": 2, "sync_every": 3, "min_rank": 1} if name == "ab" else {}
     method = abtrain.setup(name, total_steps=9, device=device, backend=backend, quiet=True, **options)
     model, losses = _train(method, 9, seed=dist.get_rank())
     comm = method.comm.ledger.summary()

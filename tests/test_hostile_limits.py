@@ -360,7 +360,7 @@ def test_an_interruption_raised_where_python_only_prints_it_is_delivered_again()
 # -- 8: one line, and nothing after a kill -------------------------------------------------------------------
 def test_an_ab_divergence_at_its_first_sync_is_one_line(tmp_path):
     p = subprocess.run(CLI + JOB + ["--method", "ab", "--group-size", "1", "--steps", "12", "--ab-warmup-steps", "0",
-                                    "--ab-cycle-steps", "3", "--lr", "1e6", "--out", str(tmp_path / "run")],
+                                    "--ab-sync-every", "3", "--lr", "1e6", "--out", str(tmp_path / "run")],
                        capture_output=True, text=True, env=clean_env(), timeout=240)
     line = one_line(p.stderr)
     assert p.returncode == 1 and ("holds inf or nan" in line or "became nan" in line), line

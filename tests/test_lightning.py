@@ -49,7 +49,7 @@ CLIP = 0.05
 # Warm-up 7 steps (full-rank gradients averaged in fp32: the workers hold one state), a sync at every multiple of 4
 # after it (steps 8, 12, 16), the next decomposition at once; validation at every epoch's end (steps 6, 12, 18): in the
 # warm-up, right after a decomposition, and inside an AB phase, where consensus() syncs.
-AB = {"warmup_steps": 7, "cycle_steps": 4, "rebound_steps": 0, "lr_rebound_steps": 0, "min_rank": 2,
+AB = {"warmup_steps": 7, "sync_every": 4, "rebound_steps": 0, "lr_rebound_steps": 0, "min_rank": 2,
       "dense_comm": "fp32"}
 GIVES_UP = "a worker resuming from it in place of its own gives up"
 #: The other kinds of method, with short schedules, and the ledger phases each one's traffic falls in.

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.skipif(_REASON is not None, reason=f"needs network nam
 # messages carried 1.116 of the ledger's prediction over the node links (headers and gloo's framing), past 10 %.
 JOB = ["--method", "ab", "--model", "mlp", "--dataset", "synthetic", "--steps", "8", "--batch-size", "16",
        "--limit-test", "128", "--eval-every", "4", "--log-every", "4", "--seed", "0", "--threads", "1",
-       "--timeout", "120", "--ab-warmup-steps", "2", "--ab-cycle-steps", "3", "--ab-rebound-steps", "1",
+       "--timeout", "120", "--ab-warmup-steps", "2", "--ab-sync-every", "3", "--ab-rebound-steps", "1",
        "--ab-lr-rebound-steps", "0", "--ab-split", "sqrt", "--ab-powersgd-rank", "8"]
 TRAIN = [sys.executable, "-m", "abtrain.cli", "train"]
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -22,7 +22,7 @@ from abtrain.sidebyside.linkbytes import link_check
 from helpers import free_port, run_world
 
 STEPS = 24
-AB = {"warmup_steps": 4, "cycle_steps": 6, "rebound_steps": 2}  # warm-up, AB phases, a sync every 6 steps, rebounds
+AB = {"warmup_steps": 4, "sync_every": 6, "rebound_steps": 2}  # warm-up, AB phases, a sync every 6 steps, rebounds
 CLIP = 0.05  # well below every gradient norm of this model: every step is clipped
 
 
@@ -413,7 +413,7 @@ import abtrain
 from abtrain.comm import topology
 
 dist.init_process_group("gloo")
-method = abtrain.setup("ab", total_steps=6, quiet=True, warmup_steps=2, cycle_steps=2)
+method = abtrain.setup("ab", total_steps=6, quiet=True, warmup_steps=2, sync_every=2)
 net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 model = torch.compile(method.prepare(net), backend="eager")
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

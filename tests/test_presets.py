@@ -39,7 +39,7 @@ ELEMENTS = ("model", "workers", "run_length", "sync", "split", "warmup", "sync_p
             "dense_wire", "sync_wire", "rank_rule", "rank_floor", "sync_averages", "moments_at_decomposition",
             "orientation", "initialisation", "kept_layers", "optimizer", "label_smoothing", "clipping",
             "lr_schedule", "batchnorm", "precision")
-SCHEDULE_KEYS = ("warmup", "cycle_steps", "rebound", "lr_rebound")
+SCHEDULE_KEYS = ("warmup", "sync_every", "rebound", "lr_rebound")
 NO_OPTION = "no option yet: "
 
 
@@ -181,7 +181,7 @@ def test_each_preset_matches_the_authors_or_says_why(table, name):
 
 @pytest.mark.parametrize("name, line, changed, elements", [
     ("resnet50", "weight-decay = 0.1", "weight-decay = 0.25", {"optimizer"}),
-    ("resnet50", "cycle-fraction = 0.0333333", "cycle-fraction = 0.0666667", {"sync_period", "rebound", "lr_ramp"}),
+    ("resnet50", "sync-fraction = 0.0333333", "sync-fraction = 0.0666667", {"sync_period", "rebound", "lr_ramp"}),
     ("resnet50", 'model = "resnet"', 'model = "cnn"', {"model"}),
     ("vgg16", "warmup-fraction = 0.2886667", "warmup-fraction = 0.289", {"warmup"}),
     ("vgg16", 'only-b-groups = "group"', 'only-b-groups = "world"', {"sync"}),

@@ -30,7 +30,7 @@ def _args(fashion_dir, out, *extra):
     return ["train", "--workers", "2", "--method", "ab", "--group-size", "1", "--model", "mlp",
             "--data-dir", str(fashion_dir), "--limit-test", "64", "--batch-size", "8", "--steps", str(STEPS),
             "--eval-every", "10", "--log-every", "1", "--seed", "7", "--ab-warmup-steps", "4",
-            "--ab-cycle-steps", "8", "--ab-rebound-steps", "2", "--ab-rank-fraction", "0.25",
+            "--ab-sync-every", "8", "--ab-rebound-steps", "2", "--ab-rank-fraction", "0.25",
             "--out", str(out), *extra]
 
 

@@ -30,7 +30,7 @@ from helpers import run_world
 
 STEPS = 24
 STOP = 11  # 3 steps into an AB phase (warm-up 4, a sync every 6 steps, each followed by 2 rebound steps)
-AB = {"group_size": 2, "warmup_steps": 4, "cycle_steps": 6, "rebound_steps": 2}
+AB = {"group_size": 2, "warmup_steps": 4, "sync_every": 6, "rebound_steps": 2}
 OPTIONS: dict[str, dict[str, Any]] = {
     "ab": AB, "hlocalsgd": {"group_size": 2, "sync_every": 4}, "localsgd": {"sync_every": 4}, "diloco": {"sync_every": 4},
     "streaming-diloco": {"sync_every": 4, "fragments": 2}, "powersgd": {"warmup_steps": 2}, "ef21": {"warmup_steps": 2},

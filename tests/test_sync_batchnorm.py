@@ -107,7 +107,7 @@ def _ab_world(sync_batchnorm: bool):
     torch.manual_seed(0)
     model = Net()
     keys = list(model.state_dict())
-    method = ABTraining(comm, topo, ABConfig(warmup_steps=2, cycle_steps=10, rank_fraction=0.5, quiet=True,
+    method = ABTraining(comm, topo, ABConfig(warmup_steps=2, sync_every=10, rank_fraction=0.5, quiet=True,
                                              sync_batchnorm=sync_batchnorm))
     model = method.prepare(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

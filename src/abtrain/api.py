@@ -12,6 +12,7 @@ from typing import Any
 from .comm.communicator import Communicator
 from .comm.ledger import Ledger
 from .comm.topology import Topology, check_int, check_timeout, group_layout, world_from_env
+from .config import renamed
 from .methods import Method, registry
 from .validate import MAX_VALUE
 
@@ -78,6 +79,10 @@ def check_option_names(spec: Any, given: dict[str, Any]) -> None:
     for name in given:
         if name in known:
             continue
+        new = renamed(f"{spec.name}-{name}")
+        if new is not None and new.startswith(spec.name + "-"):
+            raise ValueError(f"setup({spec.name!r}) option {name!r} was renamed in abtrain 0.2.0: it is "
+                             f"{new[len(spec.name) + 1:].replace('-', '_')!r} now")
         close = difflib.get_close_matches(name, sorted(known), n=3)
         raise ValueError(f"setup({spec.name!r}) has no option {name!r}"
                          + (f"; did you mean {', '.join(close)}?" if close else

@@ -338,7 +338,9 @@ def _drop_nulls(raw: dict[str, Any]) -> dict[str, Any]:
 RENAMED = {"ab-sync-dtype": "ab-sync-codec", "ab-powersgd-dtype": "ab-powersgd-codec",
            "localsgd-h": "localsgd-sync-every", "hlocalsgd-h": "hlocalsgd-sync-every", "diloco-h": "diloco-sync-every",
            "streaming-diloco-h": "streaming-diloco-sync-every", "powersgd-start-iter": "powersgd-warmup-steps",
-           "onebit-chunk-size": "onebit-scale-block", "streaming-diloco-block": "streaming-diloco-scale-block"}
+           "onebit-chunk-size": "onebit-scale-block", "streaming-diloco-block": "streaming-diloco-scale-block",
+           "ab-cycle-fraction": "ab-sync-fraction", "ab-cycle-steps": "ab-sync-every",
+           "ab-min-cycle-steps": "ab-min-sync-every"}
 
 
 def renamed(key: str) -> str | None:

@@ -34,10 +34,10 @@ DEFAULT_TAU = 0.05  # the rank rule when none is given; why this value: docs/ab-
 #: ab-resnet50.toml, ab-vgg16.toml and ab-vit.toml add the authors' recipe of each published setting, and their
 #: code's tall turn of wide matrices and ortho-sigma on every matrix: orientation="tall", init_scope="all").
 PAPER: dict[str, Any] = {
-    "warmup_fraction": 0.25, "cycle_fraction": 0.06, "rebound_fraction": 0.1, "lr_rebound_fraction": 0.3,
+    "warmup_fraction": 0.25, "sync_fraction": 0.06, "rebound_fraction": 0.1, "lr_rebound_fraction": 0.3,
     "tau": 0.15, "sync": "with-stale", "split": "sqrt", "dense_comm": "fp32", "powersgd_rank": 4,
     "powersgd_codec": "fp32", "sync_codec": "fp32", "optimizer_state": "keep", "rank_cap": "none",
-    "sync_moments": False, "min_rank": 1, "init": "ortho-sigma", "min_cycle_steps": 1,
+    "sync_moments": False, "min_rank": 1, "init": "ortho-sigma", "min_sync_every": 1,
 }
 
 
@@ -45,8 +45,8 @@ PAPER: dict[str, Any] = {
 class ABConfig(Options):
     """Options of AB-training; the CLI exposes each as ``--ab-<name>``.
 
-    The schedule's period, ``cycle_steps`` (a sync at every multiple of it after the warm-up), is the
-    option of that name when given, else ``max(2, round(cycle_fraction * total_steps))`` for a run of
+    The schedule's period, ``sync_every`` (a sync at every multiple of it after the warm-up), is the
+    option of that name when given, else ``max(2, round(sync_fraction * total_steps))`` for a run of
     ``total_steps``; the rebound and the learning-rate ramp are shares of it. :class:`~.schedule.Schedule`
     holds the steps.
     """
@@ -56,13 +56,13 @@ class ABConfig(Options):
     exclusive = (("tau", "rank", "rank_fraction"),)
 
     warmup_fraction: float = opt(0.01, "share of the run's steps trained full rank before the first decomposition (T_w); --ab-warmup-steps overrides it")
-    cycle_fraction: float = opt(0.015, "share of the run's steps between two syncs (the cycle); --ab-cycle-steps overrides it")
-    rebound_fraction: float = opt(0.0, "full-rank DP steps after each sync (F) as a share of the cycle, 0 for none; --ab-rebound-steps overrides it")
-    lr_rebound_fraction: float = opt(0.0, "learning-rate ramp after each phase switch (R) as a share of the cycle, 0 for none; --ab-lr-rebound-steps overrides it")
+    sync_fraction: float = opt(0.015, "share of the run's steps between two syncs (the period); --ab-sync-every overrides it")
+    rebound_fraction: float = opt(0.0, "full-rank DP steps after each sync (F) as a share of the period, 0 for none; --ab-rebound-steps overrides it")
+    lr_rebound_fraction: float = opt(0.0, "learning-rate ramp after each phase switch (R) as a share of the period, 0 for none; --ab-lr-rebound-steps overrides it")
     warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
-    cycle_steps: int | None = opt(None, "steps per cycle, instead of the fraction: a sync at every multiple of it after the warm-up")
-    min_cycle_steps: int = opt(16, "fewest steps between two syncs when the cycle comes from --ab-cycle-fraction: a short run syncs no more often (each sync costs a decomposition of every factorised layer); 1 for no floor")
-    rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F, less than a cycle), instead of the fraction; 0 re-decomposes right after the sync")
+    sync_every: int | None = opt(None, "steps between two syncs (the period), instead of the fraction: a sync at every multiple of it after the warm-up")
+    min_sync_every: int = opt(16, "fewest steps between two syncs when the period comes from --ab-sync-fraction: a short run syncs no more often (each sync costs a decomposition of every factorised layer); 1 for no floor")
+    rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F, less than the period), instead of the fraction; 0 re-decomposes right after the sync")
     lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
     tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")
     rank: int | None = opt(None, "fixed rank for every factorised layer")
@@ -116,14 +116,14 @@ class ABConfig(Options):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
-        if self.cycle_steps is not None and self.cycle_steps < 1:
-            raise ValueError(f"--ab-cycle-steps must be a positive integer, got {self.cycle_steps!r}")
-        if self.min_cycle_steps < 1:
-            raise ValueError(f"--ab-min-cycle-steps must be a positive integer, got {self.min_cycle_steps!r}")
-        for name in ("warmup_fraction", "cycle_fraction", "rebound_fraction", "lr_rebound_fraction"):
+        if self.sync_every is not None and self.sync_every < 1:
+            raise ValueError(f"--ab-sync-every must be a positive integer, got {self.sync_every!r}")
+        if self.min_sync_every < 1:
+            raise ValueError(f"--ab-min-sync-every must be a positive integer, got {self.min_sync_every!r}")
+        for name in ("warmup_fraction", "sync_fraction", "rebound_fraction", "lr_rebound_fraction"):
             value = getattr(self, name)
-            if not 0.0 <= value < 1.0 or (name == "cycle_fraction" and value == 0.0):
-                raise ValueError(f"--ab-{name.replace('_', '-')} must be in {'(0' if name == 'cycle_fraction' else '[0'}, 1), "
+            if not 0.0 <= value < 1.0 or (name == "sync_fraction" and value == 0.0):
+                raise ValueError(f"--ab-{name.replace('_', '-')} must be in {'(0' if name == 'sync_fraction' else '[0'}, 1), "
                                  f"got {value!r}")
         if self.min_rank < 1:
             raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
@@ -181,7 +181,7 @@ class ABConfig(Options):
     @property
     def needs_budget(self) -> bool:
         """True when the schedule is given as fractions of the run, which must then be told its length."""
-        return self.warmup_steps is None or self.cycle_steps is None
+        return self.warmup_steps is None or self.sync_every is None
 
     @functools.cached_property
     def rule(self) -> lowrank.RankRule:

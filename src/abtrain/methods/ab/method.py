@@ -8,10 +8,10 @@ optimizer steps ``t`` and, by default, scales with the run (the fractions of
 * ``t == T_w``: every factorisable weight is split by SVD into A·B (full rank
   the first time), phase ``ab`` starts: A-groups train A, B-groups train B,
   gradients averaged inside the group only.
-* at every multiple of ``cycle_steps`` after ``T_w``: sync (phase ``sync``:
+* at every multiple of ``sync_every`` after ``T_w``: sync (phase ``sync``:
   factors and full-rank parameters averaged over all workers, W = Ā·B̄), then
   F steps of full-rank DP (phase ``rebound``), then a truncated decomposition
-  and AB steps until the next multiple of ``cycle_steps``. With F = 0 the sync
+  and AB steps until the next multiple of ``sync_every``. With F = 0 the sync
   and the truncated decomposition follow each other at once.
 
 :class:`ABTraining` holds the hooks the optimizer and the loop call, and its parts, each an object of its own
@@ -304,7 +304,7 @@ class ABTraining(Method):
         B-groups hold U·σ | Vᵀ and U | σ·Vᵀ of that one W, so their A·B agree up
         to the rounding of the two products, not bit for bit. The schedule
         does not move: the next sync still falls at the next multiple of
-        ``cycle_steps``, no LR ramp starts, ranks are not re-chosen. Factor
+        ``sync_every``, no LR ramp starts, ranks are not re-chosen. Factor
         moments are kept as at every re-decomposition (``optimizer_state``).
         """
         optimizer = self._optimizer
@@ -354,7 +354,7 @@ class ABTraining(Method):
             **({"model_params": st.ranks[-1]["model_params"]} if st.ranks else {}),
             "ranks": st.ranks,
             "phases": sched.ranges(st.t),
-            "schedule": {"warmup_steps": sched.warmup, "cycle_steps": sched.cycle_steps, "rebound_steps": sched.rebound,
+            "schedule": {"warmup_steps": sched.warmup, "sync_every": sched.sync_every, "rebound_steps": sched.rebound,
                          "lr_rebound_steps": sched.lr_rebound},
             "kept_output_layers": st.kept,
             "svd_seconds": st.svd_seconds,
@@ -378,6 +378,6 @@ class ABTraining(Method):
 register(MethodSpec("ab", ABTraining, "AB-training", "low-rank factors trained by independent groups, periodic sync "
                     "and full-rank rebound (docs/ab-training.md); the schedule scales with the run unless given "
                     "in steps", options=ABConfig, order=20, bench=8,
-                    short_run_args=("--ab-warmup-steps", "2", "--ab-cycle-steps", "3", "--ab-rebound-steps", "1",
+                    short_run_args=("--ab-warmup-steps", "2", "--ab-sync-every", "3", "--ab-rebound-steps", "1",
                                     "--ab-lr-rebound-steps", "0"),
                     check_topology=check_topology, check_run=check_run, group_layout=group_layout))

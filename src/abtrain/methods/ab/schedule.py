@@ -1,4 +1,4 @@
-"""AB-training's schedule in optimizer steps: warm-up, cycles of rebound and AB steps, syncs."""
+"""AB-training's schedule in optimizer steps: warm-up, periods of rebound and AB steps, syncs."""
 
 from __future__ import annotations
 
@@ -16,23 +16,23 @@ from .config import ABConfig
 class Schedule:
     """AB-training's schedule in optimizer steps and the run's length when known.
 
-    ``warmup`` (T_w) full-rank steps, then a sync at every multiple of ``cycle_steps`` after them, each
+    ``warmup`` (T_w) full-rank steps, then a sync at every multiple of ``sync_every`` after them, each
     followed by ``rebound`` (F) full-rank steps; ``lr_rebound`` (R): the learning-rate ramp after each
-    phase switch. ``floored_from``: the cycle the fraction gave where the floor (``min_cycle_steps``)
+    phase switch. ``floored_from``: the period the fraction gave where the floor (``min_sync_every``)
     raised it, else None.
     """
 
     warmup: int
-    cycle_steps: int
+    sync_every: int
     rebound: int
     lr_rebound: int
     total: int | None = None
     floored_from: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rebound >= self.cycle_steps:
-            raise ValueError(f"--ab-rebound-steps (F={self.rebound}) must be smaller than the cycle "
-                             f"({self.cycle_steps} steps): each cycle is F rebound steps, then AB steps")
+        if self.rebound >= self.sync_every:
+            raise ValueError(f"--ab-rebound-steps (F={self.rebound}) must be smaller than the period "
+                             f"({self.sync_every} steps): each period is F rebound steps, then AB steps")
 
     @classmethod
     def from_config(cls, cfg: ABConfig, total: int | None) -> "Schedule":
@@ -40,32 +40,32 @@ class Schedule:
         if cfg.needs_budget and total is None:
             raise ValueError("AB-training's schedule is set as fractions of the run: give it the run's length "
                              "(abtrain.setup(..., total_steps=N) or method.set_total_steps(N)), or set warmup_steps and "
-                             "cycle_steps (--ab-warmup-steps, --ab-cycle-steps)")
+                             "sync_every (--ab-warmup-steps, --ab-sync-every)")
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_fraction * total)
         floored_from = None
-        if cfg.cycle_steps is not None:
-            cycle_steps = cfg.cycle_steps
+        if cfg.sync_every is not None:
+            sync_every = cfg.sync_every
         else:
-            cycle_steps = max(2, round(cfg.cycle_fraction * total))
-            if cycle_steps < cfg.min_cycle_steps:
-                floored_from, cycle_steps = cycle_steps, cfg.min_cycle_steps
+            sync_every = max(2, round(cfg.sync_fraction * total))
+            if sync_every < cfg.min_sync_every:
+                floored_from, sync_every = sync_every, cfg.min_sync_every
         if cfg.rebound_steps is not None:
             rebound = cfg.rebound_steps
         else:
-            rebound = (min(cycle_steps - 1, max(1, round(cfg.rebound_fraction * cycle_steps)))
+            rebound = (min(sync_every - 1, max(1, round(cfg.rebound_fraction * sync_every)))
                        if cfg.rebound_fraction else 0)
         if cfg.lr_rebound_steps is not None:
             lr_rebound = cfg.lr_rebound_steps
         else:
-            lr_rebound = (max(rebound + 1, round(cfg.lr_rebound_fraction * cycle_steps))
+            lr_rebound = (max(rebound + 1, round(cfg.lr_rebound_fraction * sync_every))
                           if cfg.lr_rebound_fraction else 0)
-        return cls(warmup, cycle_steps, rebound, lr_rebound, total, floored_from)
+        return cls(warmup, sync_every, rebound, lr_rebound, total, floored_from)
 
     def phase_at(self, t: int) -> str:
         """Phase of optimizer step ``t`` (0-based).
 
         Past the run's length a full-rank last phase goes on (a warm-up that fills the
-        run never decomposes); an AB phase goes on with its cycles.
+        run never decomposes); an AB phase goes on with its periods.
         """
         if self.total is not None and t >= self.total > 0:
             last = self._phase(self.total - 1)
@@ -76,7 +76,7 @@ class Schedule:
     def _phase(self, t: int) -> str:
         if t < self.warmup:
             return "warmup"
-        last_sync = (t // self.cycle_steps) * self.cycle_steps  # syncs fall at its multiples after warm-up
+        last_sync = (t // self.sync_every) * self.sync_every  # syncs fall at its multiples after warm-up
         if last_sync <= self.warmup or t - last_sync >= self.rebound:
             return "ab"
         return "rebound"
@@ -84,7 +84,7 @@ class Schedule:
     def events(self, t: int) -> tuple[bool, bool]:
         """(sync, decompose) due between step ``t - 1`` and step ``t``."""
         before, after = self.phase_at(t - 1), self.phase_at(t)
-        sync = before == "ab" and (after != "ab" or (t % self.cycle_steps == 0 and t > self.warmup))
+        sync = before == "ab" and (after != "ab" or (t % self.sync_every == 0 and t > self.warmup))
         return sync, after == "ab" and (before != "ab" or sync)
 
     def syncs(self) -> int:
@@ -112,9 +112,9 @@ class Schedule:
         return out
 
     def describe(self) -> str:
-        every = f"sync every {self.cycle_steps}"
+        every = f"sync every {self.sync_every}"
         if self.floored_from is not None:
-            every += (f" (the floor, --ab-min-cycle-steps: the cycle fraction gives every {self.floored_from} in a run "
+            every += (f" (the floor, --ab-min-sync-every: --ab-sync-fraction gives every {self.floored_from} in a run "
                       "this short)")
         text = f"warm-up {self.warmup} steps, {every}, rebound {self.rebound}, LR ramp {self.lr_rebound}"
         if self.total is not None:
@@ -124,5 +124,5 @@ class Schedule:
 
 def check_run(cfg: ABConfig, model: nn.Module, total_steps: int) -> None:
     """Refuse a schedule or model AB-training cannot run, before any worker starts."""
-    Schedule.from_config(cfg, total_steps)  # the schedule's own rule (F < the cycle) fails here, not in the workers
+    Schedule.from_config(cfg, total_steps)  # the schedule's own rule (F < the period) fails here, not in the workers
     lowrank.prepare_model(copy.deepcopy(model), full_rank_patterns=cfg.patterns, min_rank=cfg.min_rank)
