@@ -16,7 +16,8 @@ from abtrain.comm.ledger import Ledger, wire_bytes
 from abtrain.comm.recording import LocalWorld
 from abtrain.comm.topology import Topology
 from abtrain.compress.codec import E3M0Codec
-from abtrain.compress.dct import ChunkedDCT, DCTTopKCodec, chunk_length, dct_matrix, extract, scatter_mean
+from abtrain.compress.dct import ChunkedDCT, DCTTopKCodec, dct_matrix, extract, scatter_mean
+from abtrain.compress.grid import chunk_length
 from abtrain.config import TrainConfig
 from abtrain.methods import build_method
 from abtrain.methods.demo import DeMoConfig

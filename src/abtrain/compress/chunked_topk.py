@@ -2,7 +2,7 @@
 
 Each tensor is seen as a matrix (rows: its first dimension, columns: the rest; a vector or scalar as one
 row) and each dimension is cut into chunks of its largest divisor not above ``chunk``, as DeMo's chunks
-(:func:`~abtrain.compress.dct.chunk_length`), with no DCT. Of a chunk of ``E`` elements the
+(:class:`~abtrain.compress.grid.ChunkGrid`), with no DCT. Of a chunk of ``E`` elements the
 ``k = min(E, max(1, round(E * topk / chunk**2)))`` entries largest in magnitude travel: ``topk`` of a full
 ``chunk x chunk`` block and the same share of a smaller one (the authors' rule for chunks of vectors and of
 dimensions that ``chunk`` does not divide).
@@ -18,14 +18,13 @@ itself (no transform: :meth:`synthesize` is the identity).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from .bits import IndexCodec, index_width
 from .codec import Codec, Float32Codec, SparseCodec
-from .dct import chunk_length
+from .grid import ChunkGrid
 from .twobit import TwoBitCodec
 
 __all__ = ["VALUE_FORMATS", "ChunkedTopKCodec", "Chunks", "chunk_topk"]
@@ -34,28 +33,12 @@ __all__ = ["VALUE_FORMATS", "ChunkedTopKCodec", "Chunks", "chunk_topk"]
 VALUE_FORMATS = ("2bit", "fp32")
 
 
-class Chunks:
+class Chunks(ChunkGrid):
     """A tensor of ``shape`` as a matrix cut into ``c1 x c2`` chunks: ``split`` gives (chunks, elements)."""
-
-    def __init__(self, shape: torch.Size, target: int) -> None:
-        numel = math.prod(shape)
-        self.rows = shape[0] if len(shape) >= 2 else 1
-        self.cols = numel // self.rows
-        self.c1, self.c2 = chunk_length(self.rows, target), chunk_length(self.cols, target)
-        self.numel = numel
-
-    @property
-    def chunks(self) -> int:
-        return (self.rows // self.c1) * (self.cols // self.c2)
-
-    @property
-    def elements(self) -> int:
-        return self.c1 * self.c2
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """The flat tensor ``x`` as (chunks, elements): chunk ``(y, x)`` of the grid at row ``y * cols/c2 + x``."""
-        blocks = x.reshape(self.rows // self.c1, self.c1, self.cols // self.c2, self.c2)
-        return blocks.permute(0, 2, 1, 3).reshape(self.chunks, self.elements)
+        return self.blocks(x).permute(0, 2, 1, 3).reshape(self.chunks, self.elements)
 
     def flat_index(self, local: torch.Tensor) -> torch.Tensor:
         """Indices into the flat tensor of the (chunks, k) positions ``local`` inside each chunk."""

@@ -13,15 +13,11 @@ from collections.abc import Sequence
 import torch
 
 from .codec import SparseCodec
+from .grid import ChunkGrid
 from .wire import as_floats
 
 #: Indices inside a chunk travel as int16: a chunk may hold at most this many entries.
 MAX_CHUNK_ELEMENTS = 2 ** 15
-
-
-def chunk_length(n: int, target: int) -> int:
-    """The largest divisor of ``n`` not above ``target`` (``n`` itself when ``n <= target``)."""
-    return max(d for d in range(1, min(n, target) + 1) if n % d == 0)
 
 
 def dct_matrix(n: int) -> torch.Tensor:
@@ -33,30 +29,17 @@ def dct_matrix(n: int) -> torch.Tensor:
     return c
 
 
-class ChunkedDCT:
+class ChunkedDCT(ChunkGrid):
     """The chunked 2-D DCT of one tensor: ``encode`` gives (chunks, chunk elements), ``decode`` inverts it."""
 
     def __init__(self, shape: torch.Size, target: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None) -> None:
-        rows = shape[0] if len(shape) >= 2 else 1
-        cols = math.prod(shape) // rows
-        self.shape, self.rows, self.cols = shape, rows, cols
-        self.c1, self.c2 = chunk_length(rows, target), chunk_length(cols, target)
+        super().__init__(shape, target)
         self.left = dct_matrix(self.c1).to(dtype=dtype, device=device)
         self.right = dct_matrix(self.c2).to(dtype=dtype, device=device)
 
-    @property
-    def chunks(self) -> int:
-        return (self.rows // self.c1) * (self.cols // self.c2)
-
-    @property
-    def elements(self) -> int:
-        """Entries of one chunk."""
-        return self.c1 * self.c2
-
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        blocks = x.reshape(self.rows // self.c1, self.c1, self.cols // self.c2, self.c2)
-        coef = torch.einsum("yaxb,ia,jb->yxij", blocks, self.left.to(x.dtype), self.right.to(x.dtype))
+        coef = torch.einsum("yaxb,ia,jb->yxij", self.blocks(x), self.left.to(x.dtype), self.right.to(x.dtype))
         return coef.reshape(self.chunks, self.elements)
 
     def decode(self, coef: torch.Tensor) -> torch.Tensor:
