@@ -92,16 +92,24 @@ class DiLoCo(PeriodicMethod):
     name = "diloco"
     local_phase, sync_phase = "inner", "outer"
     optimizer_apart = "inner optimizer state"
+    config_class: type[Options] = DiLoCoConfig
 
-    def __init__(self, comm: Communicator, topo: Topology, config: DiLoCoConfig | None = None,
-                 **options: Any) -> None:
-        self.cfg = config if config is not None else DiLoCoConfig(**options)
-        super().__init__(comm, topo, self.cfg.sync_every)
+    def __init__(self, comm: Communicator, topo: Topology, config: Options | None = None, **options: Any) -> None:
+        self.cfg: Any = config if config is not None else self.config_class(**options)
+        super().__init__(comm, topo, self.first_sync_every())
         self.outer: OuterStep | None = None
 
+    def first_sync_every(self) -> int:
+        """H before the run's length is known."""
+        return self.cfg.sync_every
+
+    def outer_momentum(self) -> float:
+        return self.cfg.outer_momentum
+
     def prepare(self, model: nn.Module) -> nn.Module:
+        """The global copy and the outer optimizer, built after the model is confirmed the same everywhere."""
         model = super().prepare(model)
-        self.outer = OuterStep(list(model.parameters()), self.cfg.outer_lr, self.cfg.outer_momentum)
+        self.outer = OuterStep(list(model.parameters()), self.cfg.outer_lr, self.outer_momentum())
         return model
 
     @property

@@ -40,9 +40,9 @@ from ..comm.topology import Topology
 from ..compress.chunked_topk import VALUE_FORMATS, ChunkedTopKCodec
 from ..compress.dct import scatter_mean
 from ..validate import Options, opt
-from .diloco import OuterStep
-from .periodic import PeriodicMethod
+from .diloco import DiLoCo
 from .registry import MethodSpec, register
+from .resume import Writer
 
 #: The authors' period and the inner steps of their 512M-parameter run (163 outer steps of 15).
 PAPER_SYNC_EVERY = 15
@@ -78,21 +78,26 @@ class SparseLoCoConfig(Options):
         self.require("topk", 1 <= self.topk <= self.chunk ** 2, f"in [1, chunk**2 = {self.chunk ** 2}]")
 
 
-class SparseLoCo(PeriodicMethod):
-    """The user's optimizer for ``H`` inner steps, then a sparse, 2-bit outer step (phases ``inner`` / ``outer``)."""
+class SparseLoCo(DiLoCo):
+    """The user's optimizer for ``H`` inner steps, then a sparse, 2-bit outer step (phases ``inner`` / ``outer``):
+    DiLoCo's global copy, schedule and resume, another outer step."""
 
     name = "sparseloco"
-    local_phase, sync_phase = "inner", "outer"
     syncs_buffers = False  # an outer step carries parameters only: consensus averages the buffers
+    config_class = SparseLoCoConfig
 
     def __init__(self, comm: Communicator, topo: Topology, config: SparseLoCoConfig | None = None,
                  **options: Any) -> None:
-        self.cfg = config if config is not None else SparseLoCoConfig(**options)
-        super().__init__(comm, topo, self.cfg.sync_every or PAPER_SYNC_EVERY)
-        self.outer: OuterStep | None = None
+        super().__init__(comm, topo, config, **options)
         self.codec: ChunkedTopKCodec | None = None
         self.accumulator = torch.zeros(0)  # e, flat, the parameters in model.parameters() order
         self.numels: list[int] = []
+
+    def first_sync_every(self) -> int:
+        return self.cfg.sync_every or PAPER_SYNC_EVERY
+
+    def outer_momentum(self) -> float:
+        return 0.0  # the accumulator stands in for it
 
     def set_total_steps(self, total_steps: int | None) -> None:
         if self.cfg.sync_every is None:
@@ -101,17 +106,11 @@ class SparseLoCo(PeriodicMethod):
     def prepare(self, model: nn.Module) -> nn.Module:
         model = super().prepare(model)
         params = list(model.parameters())
-        # No outer momentum: the accumulator stands in for it. The same on every worker after the broadcast.
-        self.outer = OuterStep(params, self.cfg.outer_lr, 0.0)
         self.numels = [p.numel() for p in params]
         self.codec = ChunkedTopKCodec([p.shape for p in params], self.cfg.chunk, self.cfg.topk, self.cfg.quantize,
                                       device=self.topo.device)
         self.accumulator = torch.zeros(sum(self.numels), dtype=torch.float32, device=self.topo.device)
         return model
-
-    @property
-    def global_params(self) -> list[torch.Tensor]:
-        return self.outer.params if self.outer is not None else []
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -153,16 +152,19 @@ class SparseLoCo(PeriodicMethod):
         assert self.outer is not None, "prepare() first"
         # One tensor per parameter, of its shape, as the authors' optimizer holds its error buffers.
         accumulators = [e.view_as(p).clone() for e, p in zip(self.accumulator.split(self.numels), self.outer.params)]
-        return {**super().state_dict(), **self.outer.state_dict(), "accumulators": accumulators}
+        return {**super().state_dict(), "accumulators": accumulators}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.outer is not None, "prepare() first"
         if [e.shape for e in state["accumulators"]] != [p.shape for p in self.outer.params]:
             raise ValueError("checkpoint's SparseLoCo accumulators do not fit this model")
         super().load_state_dict(state)
-        self.outer.load_state_dict(state)
         for e, saved in zip(self.accumulator.split(self.numels), state["accumulators"]):
             e.copy_(saved.reshape(-1))
+
+    def given_up(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> list[str]:
+        return super().given_up(state, optimizer, writer) + [
+            f"every other worker's error-feedback accumulator (they take rank {writer.rank}'s)"]
 
 
 register(MethodSpec("sparseloco", SparseLoCo, "SparseLoCo",
