@@ -165,3 +165,79 @@ def tree_digest(root: Path, skip: tuple[str, ...] = ()) -> dict[str, Any]:
         else:
             out[rel] = ("other", path.stat().st_mode)
     return out
+
+
+# -- small training loops shared by the methods' tests ----------------------------------------------------------
+def layered_model() -> torch.nn.Module:
+    """4 modules holding 8 tensors: 2-D weights whose dimensions 8 divides or not, vectors, a LayerNorm."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 10), nn.LayerNorm(10), nn.Linear(10, 5))
+
+
+def flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def train_snapshots(method: Any, model: torch.nn.Module, steps: int, optimizer: Callable[..., Any], seed: int = 0,
+                    clip: float | None = None) -> list[torch.Tensor]:
+    """``model`` (6 inputs, 5 classes) trained ``steps`` steps under ``method`` on random batches of 8 drawn from
+    ``seed``, with ``optimizer(params)``; the flat parameters after every step. ``clip``: clip the averaged
+    gradient, as the trainer does."""
+    forward = method.prepare(model)
+    opt = optimizer(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    snapshots = []
+    with method.attach(opt):
+        for _ in range(steps):
+            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(forward(x), y)
+            opt.zero_grad()
+            loss.backward()
+            if clip is not None:
+                method.reduce_gradients()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            snapshots.append(flat(model.parameters()).clone())
+    return snapshots
+
+
+def stopped_and_resumed(topo: Any, root: str, fashion_dir: Path, method: str, stop: int,
+                        keep: Callable[[Any], dict[str, Any]] = lambda trainer: {}, **options: Any) -> dict[str, Any]:
+    """The MLP on Fashion-MNIST slices under ``method`` (``options``: TrainConfig fields) for 10 steps, then
+    stopped after ``stop`` and resumed: ``{"ref", "stopped_at", "resumed"}``, each run's model state, history
+    (without times), wire bytes and step, and what ``keep(trainer)`` adds."""
+    from abtrain.config import TrainConfig
+    from abtrain.run.train import Trainer
+
+    states = []
+    for label, kw, resume in (("ref", {}, False), ("stop", {"stop_after": stop}, False), ("stop", {}, True)):
+        cfg = TrainConfig(method=method, model="mlp", dataset="fashion-mnist", data_dir=str(fashion_dir), steps=10,
+                          batch_size=16, eval_every=3, limit_test=64, log_every=100, seed=5, group_size=2,
+                          checkpoint_every=4, **options, **kw)
+        trainer = Trainer(cfg, topo, os.path.join(root, f"{method}-{label}"), resume=resume)
+        trainer.run()
+        states.append({"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+                       "history": [{k: v for k, v in r.items() if k not in ("wall_seconds", "eval_seconds")}
+                                   for r in trainer.history],
+                       "ledger": trainer.ledger.summary()["wire_bytes"], "step": trainer.step, **keep(trainer)})
+    return {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
+
+
+class Net(torch.nn.Module):
+    """A user's small network (16 inputs, 16 classes): three Linear layers, the hidden ones factorisable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.a, self.b, self.out = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        relu = torch.nn.functional.relu
+        return self.out(relu(self.b(relu(self.a(x)))))
+
+
+def net_batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``rank``'s batch of ``n`` for :class:`Net` at ``step``: its own, the same in every run."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 16, (n,), generator=g)

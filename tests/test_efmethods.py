@@ -5,7 +5,6 @@ in turn, so the file stays fast.
 """
 
 import math
-import os
 import re
 import tempfile
 
@@ -25,7 +24,7 @@ from abtrain.methods import build_method
 from abtrain.methods.ef21 import EF21Config
 from abtrain.methods.hlocalsgd import HLocalSGDConfig
 from abtrain.methods.onebit import OneBitConfig
-from helpers import run_world
+from helpers import run_world, stopped_and_resumed, train_snapshots
 
 
 def _model():
@@ -34,22 +33,8 @@ def _model():
 
 
 def _train(method, model, steps, clip=None, seed=0):
-    forward = method.prepare(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(seed)
-    snapshots = []
-    with method.attach(opt):
-        for _ in range(steps):
-            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen)
-            loss = nn.functional.cross_entropy(forward(x), y)
-            opt.zero_grad()
-            loss.backward()
-            if clip is not None:
-                method.reduce_gradients()  # as the trainer does: clip the averaged gradient
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
-    return snapshots
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    return train_snapshots(method, model, steps, optimizer, seed=seed, clip=clip)
 
 
 # -- single process: the compressors --------------------------------------------------------------
@@ -220,15 +205,7 @@ RESUME = {"ef21": ({"ef21": EF21Config(fraction=0.05)}, 5),
           "hlocalsgd": ({"hlocalsgd": HLocalSGDConfig(sync_every=4)}, 6)}  # hlocalsgd: stop while the groups differ
 
 
-def _trainer_cfg(fashion_dir, method, options, **kw):
-    return TrainConfig(method=method, model="mlp", dataset="fashion-mnist", data_dir=str(fashion_dir), steps=10,
-                       batch_size=16, eval_every=3, limit_test=64, log_every=100, lr=0.05, seed=5, group_size=2,
-                       checkpoint_every=4, **options, **kw)
-
-
 def _world(fashion_dir, root):
-    from abtrain.run.train import Trainer
-
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {}
     for case, (name, options, clip) in CASES.items():
@@ -248,16 +225,7 @@ def _world(fashion_dir, root):
             errors.append((method.exchange(grad) - mean).abs().max().item())
         out[f"lossless-{name}"] = errors
     for name, (options, stop) in RESUME.items():
-        states = []
-        for label, kw, resume in (("ref", {}, False), ("stop", {"stop_after": stop}, False), ("stop", {}, True)):
-            trainer = Trainer(_trainer_cfg(fashion_dir, name, options, **kw), topo,
-                              os.path.join(root, f"{name}-{label}"), resume=resume)
-            trainer.run()
-            states.append({"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-                           "history": [{k: v for k, v in r.items() if k not in ("wall_seconds", "eval_seconds")}
-                                       for r in trainer.history],
-                           "ledger": trainer.ledger.summary()["wire_bytes"], "step": trainer.step})
-        out[f"resume-{name}"] = {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
+        out[f"resume-{name}"] = stopped_and_resumed(topo, root, fashion_dir, name, stop, lr=0.05, **options)
     topo.close()
     return out
 

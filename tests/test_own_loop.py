@@ -19,25 +19,11 @@ import abtrain
 from abtrain.sidebyside import netns
 from abtrain.sidebyside.linkbytes import link_check
 
-from helpers import free_port, run_world
+from helpers import Net, free_port, net_batch, run_world
 
 STEPS = 24
 AB = {"warmup_steps": 4, "sync_every": 6, "rebound_steps": 2}  # warm-up, AB phases, a sync every 6 steps, rebounds
 CLIP = 0.05  # well below every gradient norm of this model: every step is clipped
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.out = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.relu(self.b(F.relu(self.a(x)))))
-
-
-def _batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 16, generator=g), torch.randint(0, 16, (n,), generator=g)
 
 
 def _method(name: str) -> abtrain.Method:
@@ -65,7 +51,7 @@ def _clipped(name: str) -> dict:
                                                              for p in g["params"] if p.grad is not None])).item())))
     method.attach(opt)
     for step in range(STEPS):
-        x, y = _batch(step, method.topo.rank)
+        x, y = net_batch(step, method.topo.rank)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -99,7 +85,7 @@ def _accumulated(name: str, micro: int) -> dict:
     method.attach(opt)
     quiet_calls = []
     for step in range(STEPS):
-        x, y = _batch(step, method.topo.rank)
+        x, y = net_batch(step, method.topo.rank)
         opt.zero_grad()
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             last = i == micro - 1
@@ -141,7 +127,7 @@ def _compiled(order: str) -> dict:
     method.attach(opt)
     low_rank = 0
     for step in range(STEPS):
-        x, y = _batch(step, method.topo.rank)
+        x, y = net_batch(step, method.topo.rank)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -187,7 +173,7 @@ def _resumable(name: str, ckpt_dir: str, stop: int | None, resume: bool, load_op
         sched.load_state_dict(state["scheduler"])
         start = state["step"]
     for step in range(start, STEPS if stop is None else stop):
-        x, y = _batch(step, method.topo.rank)
+        x, y = net_batch(step, method.topo.rank)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -228,7 +214,7 @@ def _ddp_around(name: str) -> str:
     model = torch.nn.parallel.DistributedDataParallel(method.prepare(Net()), find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     method.attach(opt)
-    x, y = _batch(0, method.topo.rank)
+    x, y = net_batch(0, method.topo.rank)
     try:
         F.cross_entropy(model(x), y).backward()
     except RuntimeError as exc:
@@ -242,7 +228,7 @@ def _ddp_inside(name: str) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     method.attach(opt)
     for step in range(3):
-        x, y = _batch(step, method.topo.rank)
+        x, y = net_batch(step, method.topo.rank)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -453,7 +439,7 @@ def _exported_in_consensus() -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     method.attach(opt)
     for step in range(15):  # inside an AB phase, between two syncs
-        x, y = _batch(step, method.topo.rank)
+        x, y = net_batch(step, method.topo.rank)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()

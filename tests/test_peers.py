@@ -4,7 +4,6 @@ One spawned world of 4 workers in groups of 2 runs every multi-process case in t
 """
 
 import math
-import os
 import tempfile
 
 import pytest
@@ -18,33 +17,15 @@ from abtrain.comm.topology import Topology
 from abtrain.compress.codec import E3M0Codec
 from abtrain.compress.dct import ChunkedDCT, DCTTopKCodec, dct_matrix, extract, scatter_mean
 from abtrain.compress.grid import chunk_length
-from abtrain.config import TrainConfig
 from abtrain.methods import build_method
 from abtrain.methods.demo import DeMoConfig
 from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, equal_groups, fragments_of, parameter_layers
-from helpers import run_world
-
-
-def _model():
-    torch.manual_seed(0)
-    # 4 modules with parameters, 8 tensors.
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 10), nn.LayerNorm(10), nn.Linear(10, 5))
+from helpers import layered_model, run_world, stopped_and_resumed, train_snapshots
 
 
 def _train(method, model, steps, seed=0, adam=False):
-    forward = method.prepare(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(seed)
-    snapshots = []
-    with method.attach(opt):
-        for _ in range(steps):
-            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen)
-            loss = nn.functional.cross_entropy(forward(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
-    return snapshots
+    optimizer = (lambda params: torch.optim.AdamW(params, lr=1e-2)) if adam else (lambda params: torch.optim.SGD(params, lr=0.01))
+    return train_snapshots(method, model, steps, optimizer, seed=seed)
 
 
 # -- single process: DeMo's transform and extraction ---------------------------------------------------------
@@ -87,7 +68,7 @@ def test_scatter_mean_averages_over_the_workers_that_sent_an_entry():
 
 def test_demo_momentum_keeps_what_is_not_sent():
     method = build_method("demo", Communicator(), Topology(), topk=3, decay=0.9)
-    model = _model()
+    model = layered_model()
     method.prepare(model)
     codec = method.codec
     gen = torch.Generator().manual_seed(2)
@@ -108,7 +89,7 @@ def _demo_steps(rule, lrs):
     """The parameters after each step of DeMo in one process with ``momentum_rule=rule`` and the learning rates
     ``lrs`` (one per step), and the momentum at the end."""
     method = build_method("demo", Communicator(), Topology(), topk=3, chunk=8, momentum_rule=rule)
-    model = _model()
+    model = layered_model()
     forward = method.prepare(model)
     opt = torch.optim.SGD(model.parameters(), lr=lrs[0])
     gen = torch.Generator().manual_seed(3)
@@ -158,7 +139,7 @@ def test_dct_topk_message_holds_what_the_extraction_keeps():
 
 def test_demo_refuses_an_optimizer_with_momentum():
     method = build_method("demo", Communicator(), Topology())
-    model = method.prepare(_model())
+    model = method.prepare(layered_model())
     with pytest.raises(ValueError, match="--optimizer sgd --momentum 0"):
         method.attach(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
@@ -184,14 +165,14 @@ def test_e3m0_holds_powers_of_two_of_the_block_scale():
 
 
 def test_the_modules_pattern_deals_modules_out_in_turn():
-    assert fragments_of(_model(), 2, "modules") == [[0, 1, 4, 5], [2, 3, 6, 7]]  # modules 0, 2 | 1, 3
+    assert fragments_of(layered_model(), 2, "modules") == [[0, 1, 4, 5], [2, 3, 6, 7]]  # modules 0, 2 | 1, 3
     with pytest.raises(ValueError, match="--streaming-diloco-fragments 5: the model has 4 modules"):
-        fragments_of(_model(), 5, "modules")
+        fragments_of(layered_model(), 5, "modules")
 
 
 def test_layers_take_the_norms_after_them():
     # Linear(6,16) | Linear(16,10) + LayerNorm(10) | Linear(10,5); a leading norm joins the first layer
-    assert parameter_layers(_model()) == [[0, 1], [2, 3, 4, 5], [6, 7]]
+    assert parameter_layers(layered_model()) == [[0, 1], [2, 3, 4, 5], [6, 7]]
     leading = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 4), nn.LayerNorm(4))
     assert parameter_layers(leading) == [[0, 1, 2, 3, 4, 5]]
 
@@ -221,9 +202,9 @@ def test_the_strided_pattern_cuts_the_depth_into_equal_groups_dealt_out_in_turn(
     # one group per fragment: the paper's sequential pattern
     assert fragments_of(model, 3, per_fragment=1) == [sum(blocks[4 * f:4 * f + 4], []) for f in range(3)]
     # a model of 3 layers has room for one group per fragment of 2: the first layer, then the other two
-    assert fragments_of(_model(), 2) == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    assert fragments_of(layered_model(), 2) == [[0, 1], [2, 3, 4, 5, 6, 7]]
     with pytest.raises(ValueError, match="--streaming-diloco-fragments 4: the model has 3 layers"):
-        fragments_of(_model(), 4)
+        fragments_of(layered_model(), 4)
 
 
 # -- exact counts: a world of 4 simulated workers whose collectives meet in memory -------------------------------
@@ -231,7 +212,7 @@ def _recorded(p, name, steps, adam=False, **options):
     """Every worker's ledger rows of a short run of ``name`` in a :class:`LocalWorld` of ``p``, and rank 0's method."""
     def worker(comm):
         method = build_method(name, comm, Topology(rank=comm.rank, world_size=p, group_size=2), **options)
-        _train(method, _model(), steps, seed=comm.rank, adam=adam)
+        _train(method, layered_model(), steps, seed=comm.rank, adam=adam)
         return comm.ledger.summary()["rows"], method
 
     out = LocalWorld(p).run(worker)
@@ -292,15 +273,7 @@ RESUME = {"demo": ({"demo": DeMoConfig(topk=4, chunk=16)}, {"optimizer": "sgd", 
                                {"optimizer": "adamw", "lr": 1e-3}, 4)}
 
 
-def _trainer_cfg(fashion_dir, method, options, extra, **kw):
-    return TrainConfig(method=method, model="mlp", dataset="fashion-mnist", data_dir=str(fashion_dir), steps=10,
-                       batch_size=16, eval_every=3, limit_test=64, log_every=100, seed=5, group_size=2,
-                       checkpoint_every=4, **options, **extra, **kw)
-
-
 def _world(fashion_dir, root):
-    from abtrain.run.train import Trainer
-
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {}
     cases = {"demo": ("demo", {"topk": 4, "chunk": 8}, False),
@@ -312,21 +285,12 @@ def _world(fashion_dir, root):
     for case, (name, options, adam) in cases.items():
         comm = Communicator(Ledger(), topo.device)
         method = build_method(name, comm, topo, **options)
-        snapshots = _train(method, _model(), STEPS, seed=10 + topo.rank, adam=adam)
+        snapshots = _train(method, layered_model(), STEPS, seed=10 + topo.rank, adam=adam)
         out[case] = {"snapshots": snapshots, "extra": method.extra_results(),
                      "global": torch.cat([g.reshape(-1) for g in getattr(method, "global_params", [torch.zeros(0)])]),
                      "final": torch.cat([p.detach().reshape(-1) for p in method.module.parameters()])}
     for name, (options, extra, stop) in RESUME.items():
-        states = []
-        for label, kw, resume in (("ref", {}, False), ("stop", {"stop_after": stop}, False), ("stop", {}, True)):
-            trainer = Trainer(_trainer_cfg(fashion_dir, name, options, extra, **kw), topo,
-                              os.path.join(root, f"{name}-{label}"), resume=resume)
-            trainer.run()
-            states.append({"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-                           "history": [{k: v for k, v in r.items() if k not in ("wall_seconds", "eval_seconds")}
-                                       for r in trainer.history],
-                           "ledger": trainer.ledger.summary()["wire_bytes"], "step": trainer.step})
-        out[f"resume-{name}"] = {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
+        out[f"resume-{name}"] = stopped_and_resumed(topo, root, fashion_dir, name, stop, **options, **extra)
     topo.close()
     return out
 
@@ -353,7 +317,7 @@ def test_demo_keeps_one_model_after_every_step(world):
 
 
 def test_streaming_diloco_workers_hold_one_fragment_after_its_outer_step(world):
-    model = _model()
+    model = layered_model()
     frags = fragments_of(model, 2)
     snaps = [w["streaming"]["snapshots"] for w in world]
     for step, fragment in ((2, 1), (4, 0), (6, 1), (8, 0)):
@@ -371,7 +335,7 @@ def test_streaming_diloco_workers_hold_one_fragment_after_its_outer_step(world):
 
 def test_streaming_diloco_overlap_merges_half_of_the_local_progress(world):
     """With tau = 1 the fragment exchanged at step 2 differs between workers until merged at step 3, and stays so."""
-    model = _model()
+    model = layered_model()
     ids = fragments_of(model, 2)[1]
     snaps = [w["streaming-overlap"]["snapshots"] for w in world]
     assert not torch.equal(_fragment(snaps[0][1], model, ids), _fragment(snaps[2][1], model, ids))
@@ -403,7 +367,7 @@ def test_available_from_setup_in_a_users_loop(monkeypatch):
     for name, options in (("demo", {"topk": 8}), ("streaming-diloco", {"sync_every": 2, "fragments": 2})):
         method = abtrain.setup(name, device="cpu", **options)
         assert method.name == name and method.cfg == type(method.cfg)(**options)
-        _train(method, _model(), 3)
+        _train(method, layered_model(), 3)
         with method.consensus():
             assert method.in_consensus()
         method.close()

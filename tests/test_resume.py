@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import abtrain
 from abtrain.methods import registry
 
-from helpers import run_world
+from helpers import Net, net_batch, run_world
 
 STEPS = 24
 STOP = 11  # 3 steps into an AB phase (warm-up 4, a sync every 6 steps, each followed by 2 rebound steps)
@@ -39,20 +39,6 @@ DCP_METHODS = ["ab", "diloco", "streaming-diloco", "demo", "ef21"]
 #: (name, stop): the runs each world takes; AB also stops right after its first decomposition, where every
 #: worker's state can be rebuilt from rank 0's
 RUNS = [(name, STOP) for name in registry.names()] + [("ab", AB["warmup_steps"])]
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.out = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.relu(self.b(F.relu(self.a(x)))))
-
-
-def _batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 16, generator=g), torch.randint(0, 16, (n,), generator=g)
 
 
 class AppState(Stateful):
@@ -109,7 +95,7 @@ def _train(name: str, ckpt: str, stop: int | None = None, resume: str | None = N
         if resume is not None:
             out["after_load"] = _inspect(method, opt)
         for step in range(start, STEPS if stop is None else stop):
-            x, y = _batch(step, rank)
+            x, y = net_batch(step, rank)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
@@ -163,7 +149,7 @@ def _refused(call: Any) -> str:
 
 def _refusals(root: str) -> dict[str, str]:
     """What cannot be resumed, refused in one line on every worker before anything is sent."""
-    x, y = _batch(0, dist.get_rank())
+    x, y = net_batch(0, dist.get_rank())
     mid = torch.load(os.path.join(root, f"ab-{STOP}", "rank0.pt"))
     start = torch.load(os.path.join(root, f"ab-{AB['warmup_steps']}", "rank0.pt"))
     out = {}

@@ -4,7 +4,6 @@ One spawned world of 4 workers in groups of 2 runs every multi-process case in t
 """
 
 import math
-import os
 import tempfile
 
 import pytest
@@ -19,36 +18,13 @@ from abtrain.compress.bits import IndexCodec, index_width, pack_bits, unpack_bit
 from abtrain.compress.chunked_topk import ChunkedTopKCodec, Chunks, chunk_topk
 from abtrain.compress.dct import scatter_mean
 from abtrain.compress.twobit import TwoBitCodec, quantize
-from abtrain.config import TrainConfig
 from abtrain.methods import build_method
 from abtrain.methods.sparseloco import SparseLoCoConfig, sync_every_for
-from helpers import run_world
-
-
-def _model():
-    torch.manual_seed(0)
-    # 8 tensors: 2-D weights whose dimensions 8 divides or not, vectors, a LayerNorm.
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 10), nn.LayerNorm(10), nn.Linear(10, 5))
+from helpers import flat, layered_model, run_world, stopped_and_resumed, train_snapshots
 
 
 def _train(method, model, steps, seed=0):
-    forward = method.prepare(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(seed)
-    snapshots = []
-    with method.attach(opt):
-        for _ in range(steps):
-            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen)
-            loss = nn.functional.cross_entropy(forward(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
-    return snapshots
-
-
-def _flat(tensors):
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    return train_snapshots(method, model, steps, lambda params: torch.optim.AdamW(params, lr=1e-2), seed=seed)
 
 
 # -- single process: the codecs --------------------------------------------------------------------------------
@@ -135,16 +111,16 @@ def test_chunked_topk_sends_each_chunks_largest_entries(values):
 def test_the_accumulator_holds_exactly_what_was_not_sent(quantize_values):
     method = build_method("sparseloco", Communicator(), Topology(), sync_every=3, decay=0.9, outer_lr=0.5,
                           chunk=8, topk=16, quantize=quantize_values)
-    model = _model()
+    model = layered_model()
     method.prepare(model)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         before = method.accumulator.clone()
-        theta = _flat(method.global_params)
+        theta = flat(method.global_params)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=gen), alpha=0.01)
-        pseudo = theta - _flat(model.parameters())
+        pseudo = theta - flat(model.parameters())
         expected = before.clone().mul_(0.9).add_(pseudo)  # e = beta * e + (global - local)
         message = method.codec.encode(expected)
         sent = method.codec.decode(message)
@@ -156,8 +132,8 @@ def test_the_accumulator_holds_exactly_what_was_not_sent(quantize_values):
             rest = torch.ones_like(expected, dtype=torch.bool).index_fill_(0, index, False)
             assert torch.equal(method.accumulator[rest], expected[rest])
         # one worker: the outer step is theta - alpha * its own decoded message, and every worker loads it
-        assert torch.equal(_flat(method.global_params), theta.add(sent, alpha=-0.5))
-        assert torch.equal(_flat(model.parameters()), _flat(method.global_params))
+        assert torch.equal(flat(method.global_params), theta.add(sent, alpha=-0.5))
+        assert torch.equal(flat(model.parameters()), flat(method.global_params))
 
 
 def test_mean_over_senders_or_over_all_workers():
@@ -218,7 +194,7 @@ def test_bytes_equal_the_formula(quantize_values):
     def worker(comm):
         method = build_method("sparseloco", comm, Topology(rank=comm.rank, world_size=p, group_size=2),
                               sync_every=4, chunk=8, topk=16, quantize=quantize_values)
-        _train(method, _model(), steps, seed=comm.rank)
+        _train(method, layered_model(), steps, seed=comm.rank)
         return comm.ledger.summary()["rows"], method.extra_results()["sparseloco"]
 
     out = LocalWorld(p).run(worker)
@@ -238,29 +214,17 @@ STEPS = 9
 
 
 def _world(fashion_dir, root):
-    from abtrain.run.train import Trainer
-
     topo = Topology.from_env(backend="gloo", device="cpu", group_size=2)
     out = {}
     for case, options in {"senders": {"sync_every": 3, "chunk": 8, "topk": 16},
                           "workers": {"sync_every": 3, "chunk": 8, "topk": 16, "mean": "workers"}}.items():
         method = build_method("sparseloco", Communicator(Ledger(), topo.device), topo, **options)
-        snapshots = _train(method, _model(), STEPS, seed=10 + topo.rank)
-        out[case] = {"snapshots": snapshots, "global": _flat(method.global_params), "accumulator": method.accumulator}
-    states = []
-    for label, kw, resume in (("ref", {}, False), ("stop", {"stop_after": 4}, False), ("stop", {}, True)):
-        cfg = TrainConfig(method="sparseloco", model="mlp", dataset="fashion-mnist", data_dir=str(fashion_dir),
-                          steps=10, batch_size=16, eval_every=3, limit_test=64, log_every=100, seed=5, group_size=2,
-                          checkpoint_every=4, optimizer="adamw", lr=1e-3,
-                          sparseloco=SparseLoCoConfig(sync_every=3, chunk=16, topk=32), **kw)
-        trainer = Trainer(cfg, topo, os.path.join(root, f"sparseloco-{label}"), resume=resume)
-        trainer.run()
-        states.append({"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-                       "accumulator": trainer.method.accumulator.clone(),
-                       "history": [{k: v for k, v in r.items() if k not in ("wall_seconds", "eval_seconds")}
-                                   for r in trainer.history],
-                       "ledger": trainer.ledger.summary()["wire_bytes"], "step": trainer.step})
-    out["resume"] = {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
+        snapshots = _train(method, layered_model(), STEPS, seed=10 + topo.rank)
+        out[case] = {"snapshots": snapshots, "global": flat(method.global_params), "accumulator": method.accumulator}
+    out["resume"] = stopped_and_resumed(topo, root, fashion_dir, "sparseloco", 4,
+                                        keep=lambda trainer: {"accumulator": trainer.method.accumulator.clone()},
+                                        optimizer="adamw", lr=1e-3,
+                                        sparseloco=SparseLoCoConfig(sync_every=3, chunk=16, topk=32))
     topo.close()
     return out
 
@@ -303,7 +267,7 @@ def test_available_from_setup_in_a_users_loop(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     method = abtrain.setup("sparseloco", device="cpu", total_steps=702, topk=32)
     assert method.name == "sparseloco" and method.cfg == SparseLoCoConfig(topk=32) and method.sync_every == 4
-    _train(method, _model(), 5)
+    _train(method, layered_model(), 5)
     with method.consensus():
         assert method.in_consensus()
     assert method.syncs == 2  # step 4, and the consensus at step 5
