@@ -10,6 +10,11 @@ reference), with the plot `front.png` beside it. Every such folder present is a 
 and columns of the README's table, in the bench's order of workloads. The README's table sits
 between the lines `<!-- results:begin -->` and `<!-- results:end -->`.
 
+Methods measured after a workload's table, by one command of their own on the same machine, workload and
+seeds (`benchmarks/ab_configs.py --method M ...`), are stored in docs/results/peers-added-<workload>/
+ab_configs.json: their rows follow the table as a table of their own, compared with the stored DDP row seed by
+seed, and the README takes them from there.
+
 The README's second table, between `<!-- time:begin -->` and `<!-- time:end -->`, and the page's
 section on time: each method's wall on one machine against DDP's, from
 docs/results/wall-vs-ddp/wall_vs_ddp.json (what `benchmarks/wall_vs_ddp.py` writes under
@@ -32,6 +37,7 @@ PAGE = Path("docs") / "results.md"
 README = Path("README.md")
 REPORTS = Path("docs") / "results"
 PREFIX = "peers-full-"
+ADDED = "peers-added-"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 TIME_BEGIN, TIME_END = "<!-- time:begin -->", "<!-- time:end -->"
 WALLS = REPORTS / "wall-vs-ddp" / "wall_vs_ddp.json"
@@ -40,7 +46,7 @@ SLOW_NET = "comm-bound-steps*-*/comm_bound.json"
 #: The bench's workloads in the order its docs list them; a report of any other workload follows them.
 WORKLOAD_ORDER = ("fashion-cnn", "fashion-wide", "fashion-resnet", "shakespeare-gpt", "tiny")
 #: The README's rows: the current defaults first, then the peers they are measured against.
-README_METHODS = ("ab", "ddp", "powersgd", "diloco", "streaming-diloco", "demo")
+README_METHODS = ("ab", "ddp", "powersgd", "diloco", "streaming-diloco", "demo", "sparseloco")
 #: Bench workloads that belong on the page but have no full-budget report yet, and where to look
 #: meanwhile. A note disappears by itself once its folder exists.
 PENDING = {
@@ -67,6 +73,7 @@ class Report:
     folder: Path       # relative to the repository root
     data: dict
     has_plot: bool     # front.png beside the JSON
+    added: dict | None = None  # the peers-added-<workload> report: rows measured later, by their own command
 
     @property
     def perplexity(self) -> bool:
@@ -81,6 +88,14 @@ class Report:
         return self.rows[0]["seeds"]
 
     @property
+    def added_rows(self) -> list[dict]:
+        """The later rows, their comparisons taken against this report's DDP row (:func:`against`)."""
+        return [against(row, self.rows[0], self.data["metric"]) for row in (self.added or {}).get("rows", [])]
+
+    def row(self, config: str) -> dict | None:
+        return next((r for r in self.rows + self.added_rows if r["config"] == config), None)
+
+    @property
     def one_seed(self) -> bool:
         """One seed: no spread, so no difference can be called a tie or not."""
         return len(self.seeds) == 1
@@ -93,10 +108,34 @@ def load_reports(root: Path = ROOT) -> list[Report]:
         data = json.loads(path.read_text())
         if not data.get("rows") or data["rows"][0]["config"] != "ddp":
             raise ValueError(f"{path.relative_to(root)}: the first row must be ddp, the reference of every comparison")
-        reports.append(Report(path.parent.name[len(PREFIX):], path.parent.relative_to(root), data,
-                              (path.parent / "front.png").exists()))
+        workload = path.parent.name[len(PREFIX):]
+        added = root / REPORTS / f"{ADDED}{workload}" / "ab_configs.json"
+        reports.append(Report(workload, path.parent.relative_to(root), data, (path.parent / "front.png").exists(),
+                              json.loads(added.read_text()) if added.exists() else None))
     rank = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
     return sorted(reports, key=lambda r: (rank.get(r.workload, len(rank)), r.workload))
+
+
+def global_bytes(run: dict, phase: str | None = None) -> float:
+    """A stored run's global wire bytes per worker (of one phase)."""
+    return sum(r["wire_bytes"] for r in run["comm_rows"] if r["scope"] == "global" and phase in (None, r["phase"]))
+
+
+def against(row: dict, ref: dict, metric: str) -> dict:
+    """``row`` (another command's) with its "vs" columns taken against ``ref`` seed by seed, as ab_configs.py
+    takes them against its own first row: the mean and spread of the per-seed differences and byte ratios."""
+    def stats(values: list[float]) -> list[float]:
+        return [sum(values) / len(values), max(values) - min(values) if len(values) > 1 else 0.0]
+
+    ref_runs = {run["seed"]: run for run in ref["runs"]}
+    ref_value = dict(zip(ref["seeds"], ref[f"{metric}_per_seed"]))
+    seeds = [s for s in row["seeds"] if s in ref_value]
+    if seeds != row["seeds"]:
+        raise ValueError(f"{row['config']}: seeds {row['seeds']}, the reference has {ref['seeds']}")
+    value = dict(zip(row["seeds"], row[f"{metric}_per_seed"]))
+    runs = {run["seed"]: run for run in row["runs"]}
+    return {**row, "delta_vs_ref": stats([value[s] - ref_value[s] for s in seeds]),
+            "global_share_of_ref": stats([global_bytes(runs[s]) / global_bytes(ref_runs[s]) for s in seeds])}
 
 
 # -- formatting ------------------------------------------------------------------------------------
@@ -201,11 +240,7 @@ def workload_section(report: Report) -> list[str]:
         f"| method | {name} | seed {seeds} | vs DDP | global wire | fewer than DDP | total wire | compression | state |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in report.rows:
-        lines.append(
-            f"| `{row['config']}` | {mean_spread(report, row)} | {per_seed(report, row)} | {versus(report, row)} "
-            f"| {megabytes(row['global_wire_bytes'])} | {times_fewer(row)} | {megabytes(row['total_wire_bytes'])} "
-            f"| {compression(row)} | {distinct(row['state_vs_ddp'], '.2f')} |")
+    lines += table_rows(report, report.rows)
     flags = [f"`{r['config']}` `{r['flags']}`" for r in report.rows if r["flags"] != f"--method {r['config']}"]
     lines += [""] + para(
         "Every method ran with `--method NAME` and the workload's shared flags"
@@ -219,12 +254,47 @@ def workload_section(report: Report) -> list[str]:
         "table's source, with the command, the wall times and AB-training's ranks at every "
         "decomposition), `table.txt` (the table it printed)"
         + (" and `front.png` (the plot below)." if report.has_plot else "."))
+    if report.added:
+        lines += added_section(report, name, seeds)
     if report.has_plot:
         lines += [""] + para(f"{name.capitalize()} against global wire bytes per worker "
                              f"([`front.png`]({folder}/front.png)): each method's mean, the seeds' spread as a bar, "
                              "and AB-training's compression in the legend:")
         lines += ["", f"![{report.workload}: {name} against global wire bytes per worker]({folder}/front.png)"]
     return lines + [""]
+
+
+def table_rows(report: Report, rows: list[dict]) -> list[str]:
+    return [f"| `{row['config']}` | {mean_spread(report, row)} | {per_seed(report, row)} | {versus(report, row)} "
+            f"| {megabytes(row['global_wire_bytes'])} | {times_fewer(row)} | {megabytes(row['total_wire_bytes'])} "
+            f"| {compression(row)} | {distinct(row['state_vs_ddp'], '.2f')} |" for row in rows]
+
+
+def added_section(report: Report, name: str, seeds: str) -> list[str]:
+    """The rows measured later by a command of their own, against the table's DDP row."""
+    added = report.added
+    folder = (REPORTS / f"{ADDED}{report.workload}").relative_to("docs").as_posix()
+    setup = [global_bytes(run, "setup") for run in report.rows[0]["runs"]]
+    later = [global_bytes(run, "setup") for row in added["rows"] for run in row["runs"]]
+    lines = ["", f"### `{report.workload}`: measured later", ""]
+    lines += para(
+        "These rows come from a later command of their own, on the same machine, workload, flags and seeds; "
+        "\"vs DDP\" and \"fewer than DDP\" are taken against the DDP row above, seed by seed. "
+        f"The rows above include a start-up broadcast of the model ({max(setup) / 1e6:.2f} MB of global wire per "
+        f"worker in DDP's row); these were run by an abtrain that confirms the model with a digest instead "
+        f"({max(later):.0f} bytes) and broadcasts only on a mismatch, so their global bytes lack that one-off "
+        "part.")
+    lines += ["", f"| method | {name} | seed {seeds} | vs DDP | global wire | fewer than DDP | total wire | "
+                  "compression | state |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += table_rows(report, report.added_rows)
+    flags = [f"`{r['config']}` `{r['flags']}`" for r in added["rows"] if r["flags"] != f"--method {r['config']}"]
+    if flags:
+        lines += [""] + para(f"Flags beyond `--method NAME` and the workload's: {'; '.join(flags)}.")
+    lines += [""] + para("The command:") + ["", "```bash", command(Report(report.workload, Path(), added, False)),
+                                            "```", ""]
+    lines += para(f"Stored in [`docs/{folder}/`]({folder}/): `ab_configs.json` and `table.txt` (its own "
+                  "\"vs\" columns are against its own first row).")
+    return lines
 
 
 def results_page(reports: list[Report], time: list[str] | None = None) -> str:
@@ -269,13 +339,12 @@ def readme_table(reports: list[Report]) -> str:
     for r in reports:
         head += [f"`{r.workload}` {'perplexity' if r.perplexity else 'accuracy'}", "global wire"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    by_workload = [{row["config"]: row for row in r.rows} for r in reports]
     for method in README_METHODS:
-        if not any(method in rows for rows in by_workload):
+        if not any(r.row(method) for r in reports):
             continue
         cells = [f"`{method}`" + (" (defaults)" if method == "ab" else "")]
-        for report, rows in zip(reports, by_workload):
-            row = rows.get(method)
+        for report in reports:
+            row = report.row(method)
             if row is None:
                 cells += ["–", "–"]
                 continue

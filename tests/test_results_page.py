@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "results_page.py"
 
@@ -194,3 +196,44 @@ def test_the_time_table_comes_from_the_stored_sweeps(tmp_path):
     assert subprocess.run(run, capture_output=True).returncode == 0
     readme = (root / "README.md").read_text()
     assert table in readme and readme.index("<!-- results:end -->") < readme.index("<!-- time:begin -->")
+
+
+def test_rows_measured_later_are_compared_with_the_tables_ddp_row_seed_by_seed(tmp_path):
+    root = _copy_tree(tmp_path)
+    stored = json.loads((root / "docs/results/peers-full-fashion-cnn/ab_configs.json").read_text())
+    ddp = stored["rows"][0]
+    ddp_global = [sum(r["wire_bytes"] for r in run["comm_rows"] if r["scope"] == "global") for run in ddp["runs"]]
+    later = {"config": "sparseloco", "flags": "--method sparseloco", "seeds": [0, 1],
+             "test_accuracy": [0.905, 0.002], "test_accuracy_per_seed": [0.904, 0.906],
+             "global_wire_bytes": [3.0e6, 1.0e6], "total_wire_bytes": [3.0e6, 1.0e6], "delta_vs_ref": [0.0, 0.0],
+             "global_share_of_ref": [1.0, 0.0], "wall_seconds": [1.0, 0.0], "compression_ratio": [None, None],
+             "model_params": [1, 1], "training_state_bytes": [1, 1], "state_vs_ddp": [1.25, 1.25], "ranks": [[], []],
+             "runs": [{"seed": s, "comm_rows": [
+                 {"op": "all_gather", "scope": "global", "phase": "outer", "group_size": 4, "calls": 1,
+                  "payload_bytes": 1, "wire_bytes": g},
+                 {"op": "all_reduce", "scope": "global", "phase": "setup", "group_size": 4, "calls": 1,
+                  "payload_bytes": 32, "wire_bytes": 48.0}]} for s, g in ((0, 2.5e6 - 48), (1, 3.5e6 - 48))]}
+    folder = root / "docs/results/peers-added-fashion-cnn"
+    folder.mkdir()
+    (folder / "ab_configs.json").write_text(json.dumps({
+        "command": "benchmarks/ab_configs.py --workload fashion-cnn --seeds 0,1 --method sparseloco",
+        "workload": "cnn", "metric": "test_accuracy", "rows": [later]}))
+    reports = rp.load_reports(root)
+    cnn = reports[0]
+    row = cnn.row("sparseloco")
+    deltas = [0.904 - ddp["test_accuracy_per_seed"][0], 0.906 - ddp["test_accuracy_per_seed"][1]]
+    assert row["delta_vs_ref"] == pytest.approx([sum(deltas) / 2, abs(deltas[1] - deltas[0])])
+    shares = [2.5e6 / ddp_global[0], 3.5e6 / ddp_global[1]]
+    assert row["global_share_of_ref"] == pytest.approx([sum(shares) / 2, abs(shares[1] - shares[0])])
+    page = rp.results_page(reports)
+    section = page[page.index("### `fashion-cnn`: measured later"):]
+    assert section.index("| `sparseloco` | 90.50 ± 0.20 % | 90.40 / 90.60 |") < section.index("## `fashion-wide`")
+    assert "--method sparseloco" in section and "48 bytes" in section
+    assert any(line.startswith("| `sparseloco` | 90.50 ± 0.20 % | 3.0 MB ± 1.0 (") for line in
+               rp.readme_table(reports).splitlines())
+    seeds = [0, 2]
+    later["seeds"] = seeds
+    (folder / "ab_configs.json").write_text(json.dumps({"command": "x", "workload": "cnn", "metric": "test_accuracy",
+                                                        "rows": [later]}))
+    with pytest.raises(ValueError, match="seeds"):
+        rp.load_reports(root)[0].added_rows
