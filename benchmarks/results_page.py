@@ -93,7 +93,8 @@ class Report:
         return [against(row, self.rows[0], self.data["metric"]) for row in (self.added or {}).get("rows", [])]
 
     def row(self, config: str) -> dict | None:
-        return next((r for r in self.rows + self.added_rows if r["config"] == config), None)
+        """The method's row, the later one where both tables hold it."""
+        return next((r for r in self.added_rows + self.rows if r["config"] == config), None)
 
     @property
     def one_seed(self) -> bool:
@@ -287,6 +288,10 @@ def added_section(report: Report, name: str, seeds: str) -> list[str]:
     lines += ["", f"| method | {name} | seed {seeds} | vs DDP | global wire | fewer than DDP | total wire | "
                   "compression | state |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += table_rows(report, report.added_rows)
+    again = [f"`{r['config']}`" for r in added["rows"] if any(o["config"] == r["config"] for o in report.rows)]
+    if again:
+        lines += [""] + para(f"{', '.join(again)} also {'has a row' if len(again) == 1 else 'have rows'} in the "
+                             "table above, run by an earlier abtrain; the README takes the later one.")
     flags = [f"`{r['config']}` `{r['flags']}`" for r in added["rows"] if r["flags"] != f"--method {r['config']}"]
     if flags:
         lines += [""] + para(f"Flags beyond `--method NAME` and the workload's: {'; '.join(flags)}.")

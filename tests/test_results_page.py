@@ -231,8 +231,13 @@ def test_rows_measured_later_are_compared_with_the_tables_ddp_row_seed_by_seed(t
     assert "--method sparseloco" in section and "48 bytes" in section
     assert any(line.startswith("| `sparseloco` | 90.50 ± 0.20 % | 3.0 MB ± 1.0 (") for line in
                rp.readme_table(reports).splitlines())
-    seeds = [0, 2]
-    later["seeds"] = seeds
+    again = {**copy.deepcopy(later), "config": "demo", "flags": "--method demo", "test_accuracy_per_seed": [0.5, 0.5]}
+    (folder / "ab_configs.json").write_text(json.dumps({"command": "x", "workload": "cnn", "metric": "test_accuracy",
+                                                        "rows": [later, again]}))
+    reports = rp.load_reports(root)
+    assert reports[0].row("demo")["test_accuracy_per_seed"] == [0.5, 0.5]  # the later row
+    assert "`demo` also has a row in the table above" in rp.results_page(reports)
+    later["seeds"] = [0, 2]
     (folder / "ab_configs.json").write_text(json.dumps({"command": "x", "workload": "cnn", "metric": "test_accuracy",
                                                         "rows": [later]}))
     with pytest.raises(ValueError, match="seeds"):
