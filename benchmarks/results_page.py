@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/results_page.py                 # write docs/results.md and the README's table
     .venv/bin/python benchmarks/results_page.py --check         # exit 1 when either differs from what it would write
     .venv/bin/python benchmarks/results_page.py --readme-table  # print the README's table
+    .venv/bin/python benchmarks/results_page.py --plots         # also draw every row of a workload on one plot
 
 A stored report is docs/results/peers-full-<workload>/ab_configs.json, what
 `benchmarks/ab_configs.py --method ddp --method ... --seeds 0,1` writes (its first row, DDP, is the
@@ -74,6 +75,7 @@ class Report:
     data: dict
     has_plot: bool     # front.png beside the JSON
     added: dict | None = None  # the peers-added-<workload> report: rows measured later, by their own command
+    added_plot: bool = False   # front-all.png beside it
 
     @property
     def perplexity(self) -> bool:
@@ -112,7 +114,8 @@ def load_reports(root: Path = ROOT) -> list[Report]:
         workload = path.parent.name[len(PREFIX):]
         added = root / REPORTS / f"{ADDED}{workload}" / "ab_configs.json"
         reports.append(Report(workload, path.parent.relative_to(root), data, (path.parent / "front.png").exists(),
-                              json.loads(added.read_text()) if added.exists() else None))
+                              json.loads(added.read_text()) if added.exists() else None,
+                              (added.parent / "front-all.png").exists()))
     rank = {w: i for i, w in enumerate(WORKLOAD_ORDER)}
     return sorted(reports, key=lambda r: (rank.get(r.workload, len(rank)), r.workload))
 
@@ -297,9 +300,41 @@ def added_section(report: Report, name: str, seeds: str) -> list[str]:
         lines += [""] + para(f"Flags beyond `--method NAME` and the workload's: {'; '.join(flags)}.")
     lines += [""] + para("The command:") + ["", "```bash", command(Report(report.workload, Path(), added, False)),
                                             "```", ""]
+    plot = report.added_plot
     lines += para(f"Stored in [`docs/{folder}/`]({folder}/): `ab_configs.json` and `table.txt` (its own "
-                  "\"vs\" columns are against its own first row).")
+                  "\"vs\" columns are against its own first row)"
+                  + (", and `front-all.png`, every row of both tables (`--plots` draws it):" if plot else "."))
+    if plot:
+        lines += ["", f"![{report.workload}: every method, {name} against global wire bytes per worker]"
+                      f"({folder}/front-all.png)"]
     return lines
+
+
+def front_plot(report: Report, path: Path) -> bool:
+    """Both tables' rows on one plot: the metric's mean (the seeds' spread as a bar) against global wire bytes per
+    worker; False where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    scale = 1.0 if report.perplexity else 100.0
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    later = {r["config"] for r in report.added_rows}
+    for row, marker in [(r, "o") for r in report.rows if r["config"] not in later] + [(r, "s") for r in report.added_rows]:
+        mean, spread = row[report.data["metric"]]
+        ax.errorbar(row["global_wire_bytes"][0] / 1e6, scale * mean, yerr=scale * spread / 2, fmt=marker, capsize=3,
+                    label=row["config"] + (" (later)" if marker == "s" else ""))
+    ax.set_xscale("log")
+    ax.set_xlabel("global wire bytes per worker (MB, log)")
+    ax.set_ylabel(("test perplexity" if report.perplexity else "test accuracy (%)") + " (mean; bar: spread)")
+    ax.set_title(f"{report.workload}: every method, seeds {', '.join(map(str, report.seeds))}", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def results_page(reports: list[Report], time: list[str] | None = None) -> str:
@@ -557,7 +592,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file differs from what it would write")
     p.add_argument("--readme-table", action="store_true", help="print the README's table and write nothing")
     p.add_argument("--root", type=Path, default=ROOT, help="the repository root (default: this script's)")
+    p.add_argument("--plots", action="store_true", help="also draw each workload's front-all.png (every row of its "
+                   "table and of the rows measured later) into its peers-added-<workload>/ folder")
     args = p.parse_args(argv)
+    if args.plots:
+        for report in load_reports(args.root):
+            path = args.root / REPORTS / f"{ADDED}{report.workload}" / "front-all.png"
+            if report.added and front_plot(report, path):
+                print(f"wrote {path.relative_to(args.root)}")
     if args.readme_table:
         print(readme_table(load_reports(args.root)), end="")
         print(time_table(load_slow_nets(args.root), load_walls(args.root)), end="")
