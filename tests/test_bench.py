@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from abtrain.methods.summary import human_bytes
 from abtrain.sidebyside import BenchConfig, NetworkModel, parse_method_args, run_bench
 from abtrain.sidebyside import netns
 from abtrain.sidebyside.alphabeta import (collective_seconds, comm_seconds_per_step, compute_per_step, epoch_seconds,
@@ -53,6 +54,9 @@ def test_bench_end_to_end_with_a_failing_method(tmp_path):
         assert 0 <= r["test_accuracy"] <= 1 and r["steps"] == 8 and r["world_size"] == 2
         assert r["global_wire_bytes"] > 0 and r["peak_rss_bytes"] > 0 and r["wall_seconds"] > 0
         assert (out / "runs" / m / "results.json").exists()
+    for m in ("ddp", "ab", "localsgd"):  # the peak of one step, as each run's ledger counted it
+        run = json.loads((out / "runs" / m / "results.json").read_text())
+        assert rows[m]["peak_global_step_bytes"] == run["comm"]["peak_global_step_bytes"] > 0
     assert rows["ddp"]["global_reduction_vs_ddp"] == pytest.approx(1.0)
     assert rows["localsgd"]["global_reduction_vs_ddp"] > 1  # averages every 2 steps instead of every step
     assert rows["ddp"]["time_to_ddp_metric"] is not None
@@ -71,6 +75,8 @@ def test_bench_end_to_end_with_a_failing_method(tmp_path):
     md = (out / "report.md").read_text()
     assert f"- abtrain {__version__}, torch {torch.__version__}" in md
     assert "| diloco | **failed** |" in md and "diloco failed" in md and "a model, not a measurement" in md
+    ddp_line = next(line for line in md.splitlines() if line.startswith("| ddp | "))
+    assert ddp_line.split(" | ")[3] == human_bytes(rows["ddp"]["peak_global_step_bytes"])  # the peak column
     for png in ("accuracy_vs_global_bytes.png", "accuracy_vs_wall.png", "bytes_by_scope.png", "bytes_by_phase.png",
                 "model_and_state.png"):
         assert (out / png).read_bytes().startswith(PNG)

@@ -126,6 +126,7 @@ def build_report(workload: Workload, cfg: BenchConfig, outcomes: list[Outcome], 
                 "world_size": r["world_size"],
                 "group_size": r.get("group_size"),
                 "global_wire_bytes": g,
+                "peak_global_step_bytes": comm.get("peak_global_step_bytes"),
                 "group_wire_bytes": comm["by_scope"]["group"]["wire_bytes"],
                 "wire_bytes": total,
                 "payload_bytes": comm["payload_bytes"],
@@ -201,6 +202,11 @@ def _state(row: dict[str, Any]) -> str:
     return human_bytes(row["training_state_bytes"]) + ratio
 
 
+def _peak(row: dict[str, Any]) -> str:
+    peak = row.get("peak_global_step_bytes")
+    return "–" if peak is None else human_bytes(peak)
+
+
 def _reduction(x: float | None) -> str:
     if x is None:
         return "–"
@@ -234,14 +240,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report["interrupted"]:
         lines.append("- **interrupted**: methods after the interruption did not run")
     lines += ["", "## Results", "",
-              f"| method | {metric_name} | global wire | total wire | global vs DDP | total vs DDP | compression | "
-              f"training state | wall | × none | time to DDP's {'perplexity' if ppl else 'accuracy'} | peak RSS | "
-              "Pareto |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
+              f"| method | {metric_name} | global wire | peak global step | total wire | global vs DDP | total vs DDP | "
+              f"compression | training state | wall | × none | time to DDP's {'perplexity' if ppl else 'accuracy'} | "
+              "peak RSS | Pareto |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
     failed = []
     for r in report["methods"]:
         if r["status"] != "complete":
-            lines.append(f"| {r['method']} | **{r['status']}** |" + " |" * 11)
+            lines.append(f"| {r['method']} | **{r['status']}** |" + " |" * 12)
             failed.append(r)
             continue
         metric = _fmt(r["metric"], ".2f") if ppl else _fmt(r["metric"] * 100 if r["metric"] is not None else None,
@@ -250,14 +256,16 @@ def render_markdown(report: dict[str, Any]) -> str:
                        missing="not reached" if report["ddp_target"] is not None else "–")
         comp = _fmt(r["compression_ratio"], ".1f", ":1")
         lines.append(
-            f"| {r['method']} | {metric} | {human_bytes(r['global_wire_bytes'])} | {human_bytes(r['wire_bytes'])} | "
+            f"| {r['method']} | {metric} | {human_bytes(r['global_wire_bytes'])} | {_peak(r)} | "
+            f"{human_bytes(r['wire_bytes'])} | "
             f"{_reduction(r['global_reduction_vs_ddp'])} | {_reduction(r['total_reduction_vs_ddp'])} | {comp} | "
             f"{_state(r)} | {r['wall_seconds']:.1f} s | {_fmt(r['wall_vs_none'], '.2f', '×')} | {reached} | "
             f"{human_bytes(r['peak_rss_bytes'])} | {'★' if r['pareto'] else ''} |")
     lines += ["",
               f"★ Pareto front of ({metric_name} {'↓' if ppl else '↑'}, global wire bytes ↓): "
               f"{', '.join(report['pareto_front']) or '–'}. "
-              "\"vs DDP\": DDP's bytes divided by the method's (× less). \"training state\": the most a worker held "
+              "\"peak global step\": the most global bytes a worker sent in any one optimizer step, what a slow "
+              "link between nodes feels at once. \"vs DDP\": DDP's bytes divided by the method's (× less). \"training state\": the most a worker held "
               "after a step (parameters, gradients, optimizer and method state), as a multiple of DDP's for the same "
               "model. \"× none\": wall time relative to `none`, "
               "where every worker trains alone (the compute floor; it evaluates each worker's own model). "
