@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as fh:
             return [int(c) for c in fh.read().split()]
@@ -40,11 +40,11 @@ def _children(pid: int) -> list[int]:
 def launcher_workers(pid: int) -> list[int]:
     """The worker processes of the local launcher ``pid``: the children of its fork server, found through /proc."""
     workers = []
-    for child in _children(pid):
+    for child in children(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as fh:
                 if b"forkserver" in fh.read():
-                    workers += _children(child)
+                    workers += children(child)
         except OSError:
             pass
     return workers
@@ -241,3 +241,15 @@ def net_batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, torch.Te
     """Worker ``rank``'s batch of ``n`` for :class:`Net` at ``step``: its own, the same in every run."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(n, 16, generator=g), torch.randint(0, 16, (n,), generator=g)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """True once process ``pid`` catches ``sig`` (its handlers are installed)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except OSError:
+        pass
+    return False

@@ -24,7 +24,7 @@ from abtrain.run.launch import external_world
 from abtrain.run.lifeline import die_with_parent
 from abtrain.run.rundir import RunLock
 from abtrain.run.worker import classify
-from helpers import free_port, make_fake_fashion, write_idx
+from helpers import catches, children, free_port, left_behind, make_fake_fashion, session_pids, write_idx
 
 ABTRAIN = [sys.executable, "-m", "abtrain.cli"]
 JOB = ["train", "--method", "ddp", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "16",
@@ -48,35 +48,6 @@ def _one_line(stderr):
 def _in_process(capsys, argv):
     code = main(argv)
     return code, _one_line(capsys.readouterr().err)
-
-
-def _session(sid):
-    """The live processes of session ``sid`` (a launcher started with start_new_session and all it started)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
-                pids.append(int(entry))
-    return pids
-
-
-def _left_behind(sid):
-    """The processes of session ``sid`` still alive once they have had time to go (an empty list: none)."""
-    deadline = time.time() + 60  # the death signals are immediate; a loaded machine may take a while to reap
-    while _session(sid) and time.time() < deadline:
-        time.sleep(0.1)
-    return [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:200]) for pid in _session(sid)]
-
-
-def _children(pid):
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 @pytest.fixture(scope="module")
@@ -206,20 +177,20 @@ def test_a_launcher_killed_in_its_first_moments_leaves_no_process(tmp_path, mome
     try:
         found = False
         while not found and proc.poll() is None:
-            for child in _children(proc.pid):
+            for child in children(proc.pid):
                 try:
                     server = b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()
                 except OSError:
                     continue
-                if server and (moment == "fork server started" or _children(child)):
+                if server and (moment == "fork server started" or children(child)):
                     found = True
                     break
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         assert found
-        assert _left_behind(proc.pid) == []
+        assert left_behind(proc.pid) == []
     finally:
-        for pid in _session(proc.pid):
+        for pid in session_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -236,7 +207,7 @@ def test_a_weight_that_cannot_be_decomposed_is_a_divergence_with_the_same_advice
     diverged = as_divergence(err.value, str(stopped), lr=0.05)
     assert classify(diverged) == ("diverged", 1, False)
     assert str(diverged).startswith("cannot decompose ")
-    assert (f"the last good checkpoint, of step 6" in str(diverged)
+    assert ("the last good checkpoint, of step 6" in str(diverged)
             and f"'abtrain train --resume {stopped} --lr 0.005'" in str(diverged))
 
 
@@ -370,24 +341,13 @@ def test_a_json_config_with_a_key_twice_is_refused(tmp_path, capsys):
 
 
 # -- 9: signals at any moment -------------------------------------------------------------------------
-def _handles(pid, sig):
-    """True once process ``pid`` catches ``sig`` (the command's handlers are installed)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except OSError:
-        pass
-    return False
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_the_command_starts_is_one_line_and_exit_130(tmp_path, sig):
     proc = subprocess.Popen(ABTRAIN + JOB + ["--steps", "100000", "--out", str(tmp_path / "run")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             start_new_session=True)
     # Python catches SIGINT from its start; SIGTERM is caught once the command has installed its handlers (both).
-    while not _handles(proc.pid, signal.SIGTERM) and proc.poll() is None:
+    while not catches(proc.pid, signal.SIGTERM) and proc.poll() is None:
         time.sleep(0.005)
     os.kill(proc.pid, sig)  # as soon as the command can catch it: torch is still being imported
     _, stderr = proc.communicate(timeout=120)
@@ -408,7 +368,7 @@ def test_a_double_ctrl_c_exits_130_with_one_line(tmp_path):
     line = _one_line(stderr)
     assert proc.returncode == 130 and line.startswith("abtrain: interrupted (SIGINT)"), stderr
     assert json.loads((out / "status.json").read_text())["status"] == "interrupted"
-    assert _left_behind(proc.pid) == []
+    assert left_behind(proc.pid) == []
 
 
 # -- also: a copied run directory, and the refused pickle's message --------------------------------------

@@ -25,7 +25,7 @@ from abtrain.config import SECTIONS, config_fields
 from abtrain.methods import registry
 from abtrain.run.interrupt import signal_name
 from abtrain.run.private_tmp import remove_orphaned
-from helpers import ABTRAIN, clean_env, free_port, left_behind, one_line, tree_digest
+from helpers import ABTRAIN, catches, clean_env, free_port, left_behind, one_line, tree_digest
 
 CLI = [sys.executable, *ABTRAIN]
 JOB = ["train", "--method", "ddp", "--workers", "2", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "16",
@@ -294,16 +294,6 @@ def test_topology_refuses_a_world_that_cannot_be(kwargs, error, message):
 
 
 # -- 7: every signal that ends a run ends it as SIGTERM does -------------------------------------------------
-def _handles(pid, sig):
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except OSError:
-        pass
-    return False
-
-
 @pytest.mark.parametrize("sig, moment", [(signal.SIGHUP, "start"), (signal.SIGUSR1, "step 3"),
                                          (signal.SIGRTMIN + 2, "step 3")])
 def test_other_signals_end_a_run_as_sigterm_does(tmp_path, sig, moment):
@@ -313,7 +303,7 @@ def test_other_signals_end_a_run_as_sigterm_does(tmp_path, sig, moment):
                             start_new_session=True)
     try:
         if moment == "start":  # as soon as the command's own handlers are in: torch is still being imported
-            while not _handles(proc.pid, signal.SIGTERM) and proc.poll() is None:
+            while not catches(proc.pid, signal.SIGTERM) and proc.poll() is None:
                 time.sleep(0.005)
         else:
             for line in proc.stdout:
