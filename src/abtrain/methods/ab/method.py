@@ -108,8 +108,9 @@ class ABTraining(Method):
     def set_total_steps(self, total_steps: int | None) -> None:
         """Fix the schedule for a run of ``total_steps`` optimizer steps (None: absolute options only)."""
         self._schedule = sched = Schedule.from_config(self.cfg, total_steps)
-        self.say(f"AB-training schedule: {sched.describe()} ({self.topo.num_groups} groups of "
-                 f"{self.topo.group_size} workers)")
+        n, g = self.topo.num_groups, self.topo.group_size
+        self.say(f"AB-training schedule: {sched.describe()} ({n} group{'s' * (n != 1)} of {g} "
+                 f"worker{'s' * (g != 1)})")
         if self.topo.rank == 0 and total_steps is not None:
             if sched.warmup >= total_steps:
                 log.warning("AB-training: the warm-up (%d steps) fills the whole run of %d steps: no AB phase",
