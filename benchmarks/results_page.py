@@ -258,13 +258,13 @@ def workload_section(report: Report) -> list[str]:
         "table's source, with the command, the wall times and AB-training's ranks at every "
         "decomposition), `table.txt` (the table it printed)"
         + (" and `front.png` (the plot below)." if report.has_plot else "."))
-    if report.added:
-        lines += added_section(report, name, seeds)
     if report.has_plot:
         lines += [""] + para(f"{name.capitalize()} against global wire bytes per worker "
                              f"([`front.png`]({folder}/front.png)): each method's mean, the seeds' spread as a bar, "
                              "and AB-training's compression in the legend:")
         lines += ["", f"![{report.workload}: {name} against global wire bytes per worker]({folder}/front.png)"]
+    if report.added:
+        lines += added_section(report, name, seeds)
     return lines + [""]
 
 

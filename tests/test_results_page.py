@@ -77,7 +77,7 @@ def _fake_gpt(folder: Path, seeds: tuple[int, ...] = (0, 1)) -> None:
 
 def _copy_tree(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    for pattern in ("peers-full-*", "comm-bound-steps*-*", "wall-vs-ddp"):
+    for pattern in ("peers-full-*", "peers-added-*", "comm-bound-steps*-*", "wall-vs-ddp"):
         for report in (ROOT / "docs" / "results").glob(pattern):
             shutil.copytree(report, root / "docs" / "results" / report.name)
     shutil.copy(ROOT / "README.md", root / "README.md")
@@ -214,6 +214,7 @@ def test_rows_measured_later_are_compared_with_the_tables_ddp_row_seed_by_seed(t
                  {"op": "all_reduce", "scope": "global", "phase": "setup", "group_size": 4, "calls": 1,
                   "payload_bytes": 32, "wire_bytes": 48.0}]} for s, g in ((0, 2.5e6 - 48), (1, 3.5e6 - 48))]}
     folder = root / "docs/results/peers-added-fashion-cnn"
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     (folder / "ab_configs.json").write_text(json.dumps({
         "command": "benchmarks/ab_configs.py --workload fashion-cnn --seeds 0,1 --method sparseloco",
