@@ -14,7 +14,7 @@ between the lines `<!-- results:begin -->` and `<!-- results:end -->`.
 Methods measured after a workload's table, by one command of their own on the same machine, workload and
 seeds (`benchmarks/ab_configs.py --method M ...`), are stored in docs/results/peers-added-<workload>/
 ab_configs.json: their rows follow the table as a table of their own, compared with the stored DDP row seed by
-seed, and the README takes them from there.
+seed, and the README takes from there the methods its table lacks.
 
 The README's second table, between `<!-- time:begin -->` and `<!-- time:end -->`, and the page's
 section on time: each method's wall on one machine against DDP's, from
@@ -95,8 +95,9 @@ class Report:
         return [against(row, self.rows[0], self.data["metric"]) for row in (self.added or {}).get("rows", [])]
 
     def row(self, config: str) -> dict | None:
-        """The method's row, the later one where both tables hold it."""
-        return next((r for r in self.added_rows + self.rows if r["config"] == config), None)
+        """The method's row: the table's, else the one measured later (where a later row repeats a method of the
+        table, the README keeps the table's, so that its row comes from one command on every workload)."""
+        return next((r for r in self.rows + self.added_rows if r["config"] == config), None)
 
     @property
     def one_seed(self) -> bool:
@@ -294,7 +295,8 @@ def added_section(report: Report, name: str, seeds: str) -> list[str]:
     again = [f"`{r['config']}`" for r in added["rows"] if any(o["config"] == r["config"] for o in report.rows)]
     if again:
         lines += [""] + para(f"{', '.join(again)} also {'has a row' if len(again) == 1 else 'have rows'} in the "
-                             "table above, run by an earlier abtrain; the README takes the later one.")
+                             "table above, run by an earlier abtrain (its default may have changed since: "
+                             "docs/methods.md); the README keeps the table's.")
     flags = [f"`{r['config']}` `{r['flags']}`" for r in added["rows"] if r["flags"] != f"--method {r['config']}"]
     if flags:
         lines += [""] + para(f"Flags beyond `--method NAME` and the workload's: {'; '.join(flags)}.")
