@@ -67,6 +67,7 @@ def _fake_gpt(folder: Path, seeds: tuple[int, ...] = (0, 1)) -> None:
                 "wall_seconds": [1.0, 0.0], "compression_ratio": [None] * n, "model_params": [1] * n,
                 "training_state_bytes": [1] * n, "state_vs_ddp": [1.0] * n, "ranks": [[]] * n}
     shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(folder.parent / "peers-added-shakespeare-gpt", ignore_errors=True)  # rows of the stored table's
     folder.mkdir(parents=True)
     (folder / "ab_configs.json").write_text(json.dumps({
         "command": f"benchmarks/ab_configs.py --workload shakespeare-gpt --seeds {','.join(map(str, seeds))} "
