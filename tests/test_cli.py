@@ -255,7 +255,7 @@ FLAGS = {
     "--ab-warmup-fraction", "--ab-sync-fraction", "--ab-rebound-fraction", "--ab-lr-rebound-fraction",
     "--ab-min-rank", "--ab-only-b-groups", "--ab-dense-comm", "--ab-powersgd-rank",
     "--ab-powersgd-codec", "--ab-scale-block",
-    "--ab-sync-codec", "--ab-outer-lr", "--ab-outer-momentum", "--ab-sync-memory-dtype", "--ab-sync-payload", "--ab-sync-rank",
+    "--ab-sync-codec", "--ab-sync-fragments", "--ab-outer-lr", "--ab-outer-momentum", "--ab-sync-memory-dtype", "--ab-sync-payload", "--ab-sync-rank",
     "--ab-tangent-core", "--ab-svd", "--ab-rank-cap", "--ab-sync-moments", "--no-ab-sync-moments",
     "--ab-linear-apply", "--ab-keep-output", "--no-ab-keep-output", "--ab-sync-batchnorm", "--no-ab-sync-batchnorm", "--ab-quiet", "--no-ab-quiet",
     "--localsgd-sync-every", "--diloco-sync-every", "--diloco-outer-lr", "--diloco-outer-momentum", "--powersgd-rank",

@@ -147,7 +147,8 @@ def test_digest_tells_whether_every_worker_holds_the_same_tensors(differ):
 
 def test_ledger_peak_step_counts_global_traffic_between_step_ends():
     """peak_global_step_bytes: the global wire bytes between two end_step calls (a sync after the step's update
-    included), the most of any step; traffic inside a group, the setup and evaluations do not count."""
+    included), the most of any step; traffic inside a group, the setup and evaluations do not count. What follows
+    the last step (a last sync) is the run's end, end_global_bytes, not a step."""
     ledger = Ledger()
     world, group = Group("world", 4, "global"), Group("group", 2, "group")
     ledger.record("broadcast", world, torch.zeros(1000), 0.0)  # setup: not a step
@@ -165,7 +166,10 @@ def test_ledger_peak_step_counts_global_traffic_between_step_ends():
     assert (ledger.peak_global_step_bytes, ledger.peak_global_step) == (wire_bytes("all_reduce", 160, 4), 2)
     with ledger.in_phase("sync"):
         ledger.record("all_reduce", world, torch.zeros(50), 0.0)  # after the last end_step: the run's end
-    assert ledger.summary()["peak_global_step_bytes"] == wire_bytes("all_reduce", 200, 4)
+    summary = ledger.summary()
+    assert (summary["peak_global_step_bytes"], summary["end_global_bytes"]) == (wire_bytes("all_reduce", 160, 4),
+                                                                                wire_bytes("all_reduce", 200, 4))
     restored = Ledger()
     restored.load_state_dict(ledger.state_dict())
-    assert restored.summary()["peak_global_step_bytes"] == ledger.summary()["peak_global_step_bytes"]
+    assert {k: restored.summary()[k] for k in ("peak_global_step_bytes", "end_global_bytes")} == \
+        {k: summary[k] for k in ("peak_global_step_bytes", "end_global_bytes")}

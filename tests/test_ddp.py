@@ -81,7 +81,7 @@ def test_workers_identical_and_bytes_exact(fashion_dir, two_workers, world):
     # Each evaluation: BatchNorm statistics averaged, 7 float64 totals (metrics and bytes so far);
     # at the end each worker's peak RSS and the length of its record (2 float64), then the
     # record (training state by phase and part, multiply-adds by phase) as JSON, padded to the longest; then
-    # the results' averaging: an all-gather of 4 totals (payload, wire, global wire, peak step), a key check (2 int64) and the sums of 5 figures per
+    # the results' averaging: an all-gather of 5 totals (payload, wire, global wire, peak step, the end's), a key check (2 int64) and the sums of 5 figures per
     # ledger row (recorded after the snapshot it averages).
     r = o["results"]
     width = max(len(json.dumps({"state": state, "multiply_adds": macs}).encode())
@@ -89,7 +89,7 @@ def test_workers_identical_and_bytes_exact(fashion_dir, two_workers, world):
     evals = o["evals"] * (4 * o["float_buffers"] + 7 * 8) + 2 * 8 + width
     assert r["comm"]["by_phase"]["eval"]["payload_bytes"] == evals
     rows = len(r["comm"]["rows"])
-    assert s["by_phase"]["eval"]["payload_bytes"] == evals + 4 * 8 + 2 * 8 + 5 * 8 * rows
+    assert s["by_phase"]["eval"]["payload_bytes"] == evals + 5 * 8 + 2 * 8 + 5 * 8 * rows
     assert s["payload_bytes"] == sum(v["payload_bytes"] for v in s["by_phase"].values())
     assert r["comm"]["averaged_over_workers"] and len(r["comm"]["per_worker"]) == world
     assert all(w["wire_bytes"] == pytest.approx(r["comm"]["wire_bytes"]) for w in r["comm"]["per_worker"])

@@ -19,7 +19,8 @@ from abtrain.compress.dct import ChunkedDCT, DCTTopKCodec, dct_matrix, extract, 
 from abtrain.compress.grid import chunk_length
 from abtrain.methods import build_method
 from abtrain.methods.demo import DeMoConfig
-from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig, equal_groups, fragments_of, parameter_layers
+from abtrain.methods.fragments import equal_groups, fragments_of, parameter_layers
+from abtrain.methods.streaming_diloco import StreamingDiLoCoConfig
 from helpers import layered_model, run_world, stopped_and_resumed, train_snapshots
 
 

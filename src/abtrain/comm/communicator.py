@@ -214,7 +214,7 @@ class Communicator:
                              dtype=torch.float64, device=self.device).reshape(-1, 5)
         own = torch.tensor([stats[:, 0].sum(), stats[:, 1].sum(),
                             sum(ledger.rows[k].wire_bytes for k in keys if k[3] == "global"),
-                            ledger.summary()["peak_global_step_bytes"]],
+                            ledger.summary()["peak_global_step_bytes"], ledger.summary()["end_global_bytes"]],
                            dtype=torch.float64, device=self.device)
         per_worker = [t.tolist() for t in self.all_gather(own, group)]
         digest = int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:7], "big")
@@ -232,10 +232,12 @@ class Communicator:
             averaged = False
         out = mean.summary()
         out["averaged_over_workers"] = averaged
-        out["peak_global_step_bytes"] = max(peak for *_, peak in per_worker)  # the most any worker sent in a step
+        # the most any worker sent in one training step, and at the run's end
+        out["peak_global_step_bytes"] = max(peak for *_, peak, _ in per_worker)
+        out["end_global_bytes"] = max(end for *_, end in per_worker)
         out["per_worker"] = [{"rank": r, "payload_bytes": _exact(p), "wire_bytes": w, "global_wire_bytes": g,
-                              "peak_global_step_bytes": peak}
-                             for r, (p, w, g, peak) in zip(group.ranks or range(group.size), per_worker)]
+                              "peak_global_step_bytes": peak, "end_global_bytes": end}
+                             for r, (p, w, g, peak, end) in zip(group.ranks or range(group.size), per_worker)]
         return out
 
 

@@ -170,8 +170,9 @@ class Ledger:
             "wire_bytes": total["wire_bytes"],
             "calls": total["calls"],
             "seconds": total["seconds"],
-            # what the last end_step has not closed (the end of the run's last sync) counts as a step too
-            "peak_global_step_bytes": max(self.peak_global_step_bytes, self._step_global),
+            "peak_global_step_bytes": self.peak_global_step_bytes,
+            # what the last end_step has not closed: the run's end (a last sync that brings apart workers together)
+            "end_global_bytes": self._step_global,
             "by_scope": {s: self._sum(lambda k, s=s: k[3] == s) for s in SCOPES},
             "by_phase": {p: self._sum(lambda k, p=p: k[5] == p) for p in phases},
             "by_op": {o: self._sum(lambda k, o=o: k[0] == o) for o in sorted({k[0] for k in self.rows})},

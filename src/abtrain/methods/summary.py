@@ -92,6 +92,8 @@ def method_lines(results: dict[str, Any]) -> list[str]:
     peak = f"  peak step       global {human_bytes(comm['peak_global_step_bytes'])} in one optimizer step"
     if ddp and steps and results["method"] != "ddp":
         peak += f" (DDP {human_bytes(ddp['global_wire_bytes'] / steps)} in every step)"
+    if comm.get("end_global_bytes"):
+        peak += f"; {human_bytes(comm['end_global_bytes'])} at the end (the last sync)"
     lines.append(peak)
     if ddp and results["method"] != "ddp":
         ours_global = comm["by_scope"]["global"]["wire_bytes"]

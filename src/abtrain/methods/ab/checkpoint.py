@@ -156,7 +156,12 @@ def given_up(m: Any, state: dict[str, Any], optimizer: torch.optim.Optimizer, wr
     out = []
     if phase == "ab" and t not in (switch, agreed) and m.train_group is not m.topo.world:
         since = max([s for s in (switch, agreed) if s is not None and s <= t] or [0])
-        out.append(f"every other group's {t - since} AB steps since step {since}")
+        if m.fragments is not None:  # streaming syncs: each fragment since its own last sync
+            since = max(since, t - sched.sync_every + 1)
+            out.append(f"every other group's AB steps since each fragment's last sync (at most {t - since}, "
+                       f"since step {since})")
+        else:
+            out.append(f"every other group's {t - since} AB steps since step {since}")
     elif (cfg.dense_comm == "local" and phase != "ab" and t > 0 and sched.phase_at(t - 1) != "ab"
           and agreed != t):
         out.append(f"every other worker's own full-rank steps of this phase (they go on from rank {writer.rank}'s "

@@ -62,6 +62,7 @@ class ABConfig(Options):
     warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
     sync_every: int | None = opt(None, "steps between two syncs (the period), instead of the fraction: a sync at every multiple of it after the warm-up")
     min_sync_every: int = opt(16, "fewest steps between two syncs when the period comes from --ab-sync-fraction: a short run syncs no more often (each sync costs a decomposition of every factorised layer); 1 for no floor")
+    sync_fragments: int = opt(1, "streaming syncs: the layers cut into this many fragments (contiguous groups of about equal size, dealt out in turn), fragment f synced and decomposed again at the steps t with t mod K = f*K//F, so that a sync's bytes and decompositions are spread over the period K; 1 syncs the whole model at once")
     rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F, less than the period), instead of the fraction; 0 re-decomposes right after the sync")
     lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
     tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")
@@ -125,6 +126,15 @@ class ABConfig(Options):
             if not 0.0 <= value < 1.0 or (name == "sync_fraction" and value == 0.0):
                 raise ValueError(f"--ab-{name.replace('_', '-')} must be in {'(0' if name == 'sync_fraction' else '[0'}, 1), "
                                  f"got {value!r}")
+        if self.sync_fragments < 1:
+            raise ValueError(f"--ab-sync-fragments must be a positive integer, got {self.sync_fragments!r}")
+        if self.sync_fragments > 1 and not (self.sync == "only-learned" and self.split in (None, "tangent")):
+            raise ValueError("--ab-sync-fragments needs the tangent merge, whose kept SVD is the model the workers "
+                             "agree on between the fragments' syncs: use it with --ab-sync only-learned (and the "
+                             "tangent split, its default)")
+        if self.sync_fragments > 1 and self.outer_step:
+            raise ValueError("--ab-sync-fragments syncs the fragments at different steps; --ab-outer-lr and "
+                             "--ab-outer-momentum step the whole model at once: use one or the other")
         if self.min_rank < 1:
             raise ValueError(f"--ab-min-rank must be >= 1, got {self.min_rank}")
         if self.powersgd_rank < 1:

@@ -45,15 +45,16 @@ class Decomposer:
         self.losses = LossWatch()  # the training loss around the cuts
 
     def decompose(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, truncate: bool,
-                  dense_follows: bool) -> None:
+                  dense_follows: bool, records: list[lowrank.FactorizedParam] | None = None) -> None:
         """Every layer not kept full rank split at its agreed rank (``truncate``: the rank rule's; else full rank).
 
         ``dense_follows``: full-rank steps follow the next sync (a rebound), which read W's optimizer state.
+        ``records``: only these layers (one fragment's, ``--ab-sync-fragments``); None: every layer.
         A cut that lowers some layer's rank starts :attr:`losses`' watch.
         """
         st = self.state
         start = time.perf_counter()
-        records = [fp for fp in st.records if fp.name not in st.kept]
+        records = [fp for fp in (st.records if records is None else records) if fp.name not in st.kept]
         with torch.profiler.record_function("abtrain::ab::decompose"), self.comm.ledger.in_phase("sync"):
             svds = [self.svd(fp) for fp in records]
             if truncate:
@@ -95,8 +96,8 @@ class Decomposer:
                   optimizer: torch.optim.Optimizer, *, dense_follows: bool) -> None:
         """Split each layer at its agreed rank, this worker's factor trainable, the tangent bases kept."""
         st = self.state
-        lowrank.decompose_all(records, ranks, svds, split=self._split(),
-                              sigma_in=self._sigma_in(), optimizer=optimizer, moments_against=self._take_frozen(),
+        lowrank.decompose_all(records, ranks, svds, split=self._split(), sigma_in=self._sigma_in(),
+                              optimizer=optimizer, moments_against=self._take_frozen(records),
                               # the tangent split's frozen factor is U or Vᵀ, its own pseudo-inverse; only svd="update"
                               # (which needs that split) skips the pinv, so that full-SVD runs keep their rounding
                               frozen_orthonormal=self.cfg.svd == "update")
@@ -121,12 +122,11 @@ class Decomposer:
         self.state.svd_counts["full"] += 1
         return lowrank.svd(fp)
 
-    def _take_frozen(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """For optimizer_state="map": the factor each layer trained and the frozen one it was trained against,
-        handed to the decomposition that follows the sync and forgotten here."""
-        against = {name: (self.state.role, frozen) for name, frozen in self.state.frozen.items()}
-        self.state.frozen = {}
-        return against
+    def _take_frozen(self, records: list[lowrank.FactorizedParam]) -> dict[str, tuple[str, torch.Tensor]]:
+        """For optimizer_state="map": the factor each of ``records`` trained and the frozen one it was trained
+        against, handed to the decomposition that follows the sync and forgotten here."""
+        frozen = self.state.frozen
+        return {fp.name: (self.state.role, frozen.pop(fp.name)) for fp in records if fp.name in frozen}
 
     def _sigma_in(self) -> str:
         """split="sigma": the factor that holds the singular values, the same on every worker.
@@ -155,9 +155,9 @@ class Decomposer:
         rounding."""
         if self.cfg.split == "tangent":
             a_role = self.state.role == "A"
-            self.state.bases = {fp.name: ((s.U[:, :fp.rank] if a_role else s.Vh[:fp.rank])
-                                          .clone(memory_format=torch.contiguous_format), s.S[:fp.rank].clone())
-                                for fp, s in zip(records, svds) if fp.mode == "lowrank"}
+            self.state.bases.update({fp.name: ((s.U[:, :fp.rank] if a_role else s.Vh[:fp.rank])
+                                               .clone(memory_format=torch.contiguous_format), s.S[:fp.rank].clone())
+                                     for fp, s in zip(records, svds) if fp.mode == "lowrank"})
 
     def _cap_ranks(self, records: list[lowrank.FactorizedParam], chosen: list[int | None],
                    optimizer: torch.optim.Optimizer) -> dict[str, int]:

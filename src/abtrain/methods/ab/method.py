@@ -40,6 +40,7 @@ from .buckets import OverlappedAverage
 from .compressor import build_sync_compressor
 from .config import ABConfig, check_topology, group_layout
 from .decomposer import LOSS_WINDOW, Decomposer
+from .fragments import AgreedModel, Part, SyncFragments
 from .dense import build_dense_reducer
 from .prepare import OutputLayer, factorise_layers, sync_batchnorm
 from .schedule import Schedule, check_run
@@ -80,6 +81,7 @@ class ABTraining(Method):
         self._schedule: Schedule | None = None
         self._saved_lrs: list[float] = []
         self._optimizer: torch.optim.Optimizer | None = None  # the attached one (consensus() syncs its moments)
+        self.fragments: SyncFragments | None = None  # --ab-sync-fragments > 1: the fragments (found in prepare())
         if not cfg.needs_budget:
             self.set_total_steps(None)
 
@@ -146,6 +148,10 @@ class ABTraining(Method):
     # -- preparation -------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
         model = self.unwrap(model)  # torch.compile's or DDP's wrapper: its module is factorised
+        if self.cfg.sync_fragments > 1:  # on the model as built: a fragment holds whole layers
+            self.fragments = SyncFragments(model, self.cfg.sync_fragments)
+            self.say(f"AB-training: {self.cfg.sync_fragments} sync fragments of "
+                     f"{', '.join(f'{n / 1e3:.1f}k' for n in self.fragments.sizes)} parameters")
         factorise_layers(model, self.cfg, self.state)
         if self.cfg.sync_batchnorm:
             model = sync_batchnorm(model, self.comm, self.topo, self.say)
@@ -155,21 +161,22 @@ class ABTraining(Method):
         return super().prepare(model)
 
     # -- the parts, as the hooks call them ------------------------------------
-    def _decompose(self, optimizer: torch.optim.Optimizer, truncate: bool) -> None:
+    def _decompose(self, optimizer: torch.optim.Optimizer, truncate: bool, part: Part | None = None) -> None:
         if self._ends_local_phase():
             self._average_local(optimizer)  # the workers stepped alone since the last sync: one W first
         assert self.module is not None, "prepare() first"
-        self.decomposer.decompose(self.module, optimizer, truncate=truncate, dense_follows=self.schedule.rebound > 0)
-        self.syncer.agreed(self.module)
+        self.decomposer.decompose(self.module, optimizer, truncate=truncate, dense_follows=self.schedule.rebound > 0,
+                                  records=part.records if part is not None else None)
+        self.syncer.agreed(self.module, part)
         self._after_decomposition()
 
     def _after_decomposition(self) -> None:
         self.dense.reset()  # the full-rank phase's error memories: the next one starts afresh after a sync anyway
         self.note_state_change()
 
-    def _sync(self, optimizer: torch.optim.Optimizer) -> None:
+    def _sync(self, optimizer: torch.optim.Optimizer, part: Part | None = None) -> None:
         assert self.module is not None, "prepare() first"
-        self.syncer.sync(self.module, optimizer)
+        self.syncer.sync(self.module, optimizer, part)
         self.dense.reset()  # a new full-rank phase: error memories of the last one are stale
         self.note_state_change()
 
@@ -262,6 +269,11 @@ class ABTraining(Method):
             self._sync(optimizer)
         if decompose:
             self._decompose(optimizer, truncate=bool(st.ranks))  # the first decomposition keeps full rank
+        for f in self.schedule.fragments_due(st.t):  # a streaming sync: one fragment, the others go on apart
+            assert self.fragments is not None and self.module is not None
+            part = self.fragments.part(f, self.module, st.records)
+            self._sync(optimizer, part)
+            self._decompose(optimizer, truncate=True, part=part)
         st.parts = {}  # W changes at the next step
         if sync or decompose or self.phase_at(st.t) != self.phase_at(st.t - 1):
             st.switch_step = st.t
@@ -292,6 +304,16 @@ class ABTraining(Method):
             return True
         return self.train_group is self.topo.world
 
+    def ready_for_evaluation(self) -> bool:
+        # streaming syncs: the workers never all agree between the fragments' syncs; they evaluate the model they
+        # agree on as of each fragment's last sync (:meth:`evaluation`)
+        return self.fragments is not None or self.in_consensus()
+
+    def evaluation(self) -> contextlib.AbstractContextManager[Any]:
+        if self.fragments is None or self.in_consensus() or self.module is None:
+            return super().evaluation()
+        return AgreedModel(self.module, self.state)
+
     def agree(self) -> None:
         """Inside an AB phase: a sync now, then every layer factorised again at the rank it had.
 
@@ -317,6 +339,8 @@ class ABTraining(Method):
         ranks = {fp.name: fp.rank for fp in self.state.low()}
         self._sync(optimizer)
         self.decomposer.resplit(optimizer, ranks, dense_follows=self.schedule.rebound > 0)
+        assert self.module is not None
+        self.syncer.agreed(self.module)
         self._after_decomposition()
         self.state.agreed_at = self.state.t
 
@@ -346,7 +370,7 @@ class ABTraining(Method):
                if k not in ("state", "dense", "overlap", "compressor", "syncer", "decomposer", "output")}
         return {**own, "dense": self.dense, "overlap": self.overlap, "_frozen": self.state.frozen,
                 "_bases": self.state.bases, "_compressor": self.compressor, "_parts": self.state.parts,
-                "_outer": self.syncer.outer}
+                "_outer": self.syncer.outer, "_agreed": self.state.agreed}
 
     def extra_results(self) -> dict[str, Any]:
         sched, st = self.schedule, self.state
@@ -356,7 +380,7 @@ class ABTraining(Method):
             "ranks": st.ranks,
             "phases": sched.ranges(st.t),
             "schedule": {"warmup_steps": sched.warmup, "sync_every": sched.sync_every, "rebound_steps": sched.rebound,
-                         "lr_rebound_steps": sched.lr_rebound},
+                         "lr_rebound_steps": sched.lr_rebound, "sync_fragments": sched.fragments},
             "kept_output_layers": st.kept,
             "svd_seconds": st.svd_seconds,
             "svd_counts": dict(st.svd_counts),

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from ..fragments import fragments_of
 from . import lowrank
 from .config import ABConfig
 
@@ -19,7 +20,8 @@ class Schedule:
     ``warmup`` (T_w) full-rank steps, then a sync at every multiple of ``sync_every`` after them, each
     followed by ``rebound`` (F) full-rank steps; ``lr_rebound`` (R): the learning-rate ramp after each
     phase switch. ``floored_from``: the period the fraction gave where the floor (``min_sync_every``)
-    raised it, else None.
+    raised it, else None. ``fragments`` (F > 1, no rebound): the model synced fragment by fragment, fragment
+    ``f`` at the steps ``t`` with ``t mod sync_every = f * sync_every // F`` (:meth:`fragments_due`).
     """
 
     warmup: int
@@ -28,8 +30,15 @@ class Schedule:
     lr_rebound: int
     total: int | None = None
     floored_from: int | None = None
+    fragments: int = 1
 
     def __post_init__(self) -> None:
+        if self.fragments > 1 and (self.rebound or self.lr_rebound):
+            raise ValueError("--ab-sync-fragments keeps every fragment in its AB phase between its syncs: it has no "
+                             "rebound and no learning-rate ramp (set --ab-rebound-steps 0 --ab-lr-rebound-steps 0)")
+        if self.fragments > self.sync_every:
+            raise ValueError(f"--ab-sync-fragments {self.fragments}: at most one fragment syncs per step, and the "
+                             f"period is {self.sync_every} steps; choose at most {self.sync_every}")
         if self.rebound >= self.sync_every:
             raise ValueError(f"--ab-rebound-steps (F={self.rebound}) must be smaller than the period "
                              f"({self.sync_every} steps): each period is F rebound steps, then AB steps")
@@ -59,7 +68,7 @@ class Schedule:
         else:
             lr_rebound = (max(rebound + 1, round(cfg.lr_rebound_fraction * sync_every))
                           if cfg.lr_rebound_fraction else 0)
-        return cls(warmup, sync_every, rebound, lr_rebound, total, floored_from)
+        return cls(warmup, sync_every, rebound, lr_rebound, total, floored_from, cfg.sync_fragments)
 
     def phase_at(self, t: int) -> str:
         """Phase of optimizer step ``t`` (0-based).
@@ -84,14 +93,23 @@ class Schedule:
     def events(self, t: int) -> tuple[bool, bool]:
         """(sync, decompose) due between step ``t - 1`` and step ``t``."""
         before, after = self.phase_at(t - 1), self.phase_at(t)
-        sync = before == "ab" and (after != "ab" or (t % self.sync_every == 0 and t > self.warmup))
+        sync = (before == "ab" and (after != "ab" or (t % self.sync_every == 0 and t > self.warmup))
+                and self.fragments == 1)
         return sync, after == "ab" and (before != "ab" or sync)
+
+    def fragments_due(self, t: int) -> list[int]:
+        """The fragments synced (and decomposed again) between step ``t - 1`` and step ``t``; none with one fragment,
+        in the warm-up, or after the run's last step (where the last sync takes the whole model)."""
+        if self.fragments == 1 or t <= self.warmup or (self.total is not None and t >= self.total):
+            return []
+        return [f for f in range(self.fragments) if t % self.sync_every == f * self.sync_every // self.fragments]
 
     def syncs(self) -> int:
         """Syncs in the whole run (needs ``total``): the scheduled ones, the one after the last step included,
         and the last sync that ends a run inside an AB phase (every worker leaves with one model)."""
         assert self.total is not None
-        scheduled = sum(self.events(t)[0] for t in range(max(1, self.warmup + 1), self.total + 1))
+        scheduled = sum(self.events(t)[0] + len(self.fragments_due(t))
+                        for t in range(max(1, self.warmup + 1), self.total + 1))
         ends_apart = self.total > 0 and self.phase_at(self.total - 1) == "ab" and not self.events(self.total)[0]
         return scheduled + (1 if ends_apart and self.total > self.warmup else 0)
 
@@ -113,6 +131,8 @@ class Schedule:
 
     def describe(self) -> str:
         every = f"sync every {self.sync_every}"
+        if self.fragments > 1:
+            every += f" in {self.fragments} fragments (staggered: one every {self.sync_every / self.fragments:g} steps)"
         if self.floored_from is not None:
             every += (f" (the floor, --ab-min-sync-every: --ab-sync-fraction gives every {self.floored_from} in a run "
                       "this short)")
@@ -125,4 +145,6 @@ class Schedule:
 def check_run(cfg: ABConfig, model: nn.Module, total_steps: int) -> None:
     """Refuse a schedule or model AB-training cannot run, before any worker starts."""
     Schedule.from_config(cfg, total_steps)  # the schedule's own rule (F < the period) fails here, not in the workers
+    if cfg.sync_fragments > 1:
+        fragments_of(model, cfg.sync_fragments, option="--ab-sync-fragments")
     lowrank.prepare_model(copy.deepcopy(model), full_rank_patterns=cfg.patterns, min_rank=cfg.min_rank)

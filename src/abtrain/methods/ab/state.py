@@ -40,6 +40,9 @@ class PhaseState:
     #: svd="update": each layer's W as the SVD its phase started from plus the sync's rank-q change, from the
     #: sync to the decomposition that follows it in the same step (never across a step, so never checkpointed)
     parts: dict[str, lowrank.LowRankSum] = field(default_factory=dict)
+    #: --ab-sync-fragments: the full-rank parameters and buffers as their fragment's last sync left them, by name
+    #: in the module (the same on every worker: what an evaluation between syncs is lent, :mod:`.fragments`)
+    agreed: dict[str, Tensor] = field(default_factory=dict)
     svd_seconds: float = 0.0
     sync_seconds: float = 0.0
     syncs: int = 0  # syncs so far, consensus() and the last one included
@@ -65,7 +68,8 @@ class PhaseState:
         return {"t": self.t, "switch_step": self.switch_step, "agreed_at": self.agreed_at, "ranks": self.ranks,
                 "role": self.role, "kept": self.kept, "svd_seconds": self.svd_seconds,
                 "sync_seconds": self.sync_seconds, "syncs": self.syncs, "svd_counts": dict(self.svd_counts),
-                "ratio": self.ratio, "frozen": dict(self.frozen), "vectors": dict(self.bases)}
+                "ratio": self.ratio, "frozen": dict(self.frozen), "vectors": dict(self.bases),
+                "agreed": dict(self.agreed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """This worker's own state (a worker that adopts another's hands its own role: :mod:`.checkpoint`)."""
@@ -79,5 +83,6 @@ class PhaseState:
         self.svd_seconds, self.sync_seconds = state["svd_seconds"], state["sync_seconds"]
         self.syncs, self.svd_counts = int(state["syncs"]), dict(state["svd_counts"])
         self.frozen = dict(state["frozen"])
+        self.agreed = dict(state.get("agreed", {}))
         self.bases = {name: (vectors, sigma) for name, (vectors, sigma) in state["vectors"].items()}
 

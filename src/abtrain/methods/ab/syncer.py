@@ -21,6 +21,7 @@ from ..base import optimizer_moments
 from . import lowrank
 from .compressor import SyncCompressor
 from .config import TANGENT_CORES, ABConfig
+from .fragments import Part, part_of
 from .outer import OuterStep
 from .state import PhaseState
 
@@ -46,17 +47,20 @@ class Syncer:
         self.a_workers = max(1, topo.num_groups // 2) * topo.group_size
 
     @torch.no_grad()
-    def sync(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Average the groups into one model: every layer leaves it in full mode, W the same on every worker."""
+    def sync(self, module: nn.Module, optimizer: torch.optim.Optimizer, part: Part | None = None) -> None:
+        """Average the groups into one model: every layer leaves it in full mode, W the same on every worker.
+
+        ``part``: one fragment's layers and tensors (``--ab-sync-fragments``); None: the whole model."""
         st, cfg = self.state, self.cfg
         start = time.perf_counter()
         st.syncs += 1
-        low = st.low()
+        part = part if part is not None else part_of(module, st.records)
+        low = part.low
         if cfg.optimizer_state == "map":
-            st.frozen = {fp.name: (fp.B if st.role == "A" else fp.A).detach().clone() for fp in low}
+            st.frozen.update({fp.name: (fp.B if st.role == "A" else fp.A).detach().clone() for fp in low})
         with torch.profiler.record_function("abtrain::ab::sync"), self.comm.ledger.in_phase("sync"):
-            buffers = [b for b in module.buffers() if b.is_floating_point()]
-            full = full_rank_tensors(module, st.records)
+            buffers = [b for _, b in part.buffers]
+            full = [p for _, p in part.params]
             if cfg.optimizer_state == "reset":
                 lowrank.reset_state(optimizer, full + [fp.weight for fp in low])
             # Parameters trained during the AB phase on every worker (full-rank ones)
@@ -83,8 +87,9 @@ class Syncer:
                     lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name), core=core)
             if self.outer is not None:
                 self._outer_step(module, low, full, bases)
-            st.bases = {}
-            lowrank.set_trainable(st.records, "full")
+            for fp in low:
+                st.bases.pop(fp.name, None)
+            lowrank.set_trainable(part.records, "full")
         st.sync_seconds += time.perf_counter() - start
 
     def _outer_step(self, module: nn.Module, low: list[lowrank.FactorizedParam], full: list[torch.Tensor],
@@ -107,10 +112,16 @@ class Syncer:
         ids = {id(t) for t in full}
         return [(name, p) for name, p in module.named_parameters() if id(p) in ids]
 
-    def agreed(self, module: nn.Module) -> None:
-        """A decomposition: every worker holds the same full-rank parameters, the outer step's next W_start."""
+    def agreed(self, module: nn.Module, part: Part | None = None) -> None:
+        """A decomposition (of ``part``; None: the whole model): every worker holds the same full-rank parameters,
+        the outer step's next W_start; with ``--ab-sync-fragments`` copied with the buffers into
+        :attr:`~.state.PhaseState.agreed`, the model an evaluation between syncs is lent (:mod:`.fragments`)."""
         if self.outer is not None:
             self.outer.remember(self.full_rank_named(module, full_rank_tensors(module, self.state.records)))
+        if self.cfg.sync_fragments > 1:
+            part = part if part is not None else part_of(module, self.state.records)
+            for name, t in part.params + part.buffers:
+                self.state.agreed[name] = t.detach().clone()
 
     @torch.no_grad()
     def average_local(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
