@@ -224,6 +224,22 @@ def stopped_and_resumed(topo: Any, root: str, fashion_dir: Path, method: str, st
     return {"ref": states[0], "stopped_at": states[1]["step"], "resumed": states[2]}
 
 
+class BNNet(torch.nn.Module):
+    """A first layer and a BatchNorm1d (``norm``), two hidden Linear layers AB-training factorises (``body``, ``body2``),
+    a head: ``inputs`` features, ``classes`` outputs."""
+
+    def __init__(self, inputs: int = 12, classes: int = 5) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem, self.norm = nn.Linear(inputs, 48), nn.BatchNorm1d(48)
+        self.body, self.body2, self.head = nn.Linear(48, 40), nn.Linear(40, 48), nn.Linear(48, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm(self.stem(x)))
+        x = torch.relu(self.body(x))
+        return self.head(torch.relu(self.body2(x)))
+
+
 class Net(torch.nn.Module):
     """A user's small network (16 inputs, 16 classes): three Linear layers, the hidden ones factorisable."""
 

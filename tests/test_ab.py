@@ -20,25 +20,11 @@ from abtrain.config import merge
 from abtrain.methods.ab import PAPER, ABConfig, ABTraining
 from abtrain.methods.loop import STATE_VERSION
 from abtrain.methods.memory import dense_training_state_bytes, training_state_parts
+from helpers import BNNet as Net
 from helpers import run_world
 
 T_W, K, F = 3, 6, 2  # syncs at the multiples of K: after steps 6, 12, 18; rebounds 6-7, 12-13; truncation at 8 and 14
 STEPS = 19
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(12, 48)
-        self.norm = nn.BatchNorm1d(48)
-        self.body = nn.Linear(48, 40)
-        self.body2 = nn.Linear(40, 48)
-        self.head = nn.Linear(48, 5)
-
-    def forward(self, x):
-        x = torch.relu(self.norm(self.stem(x)))
-        x = torch.relu(self.body(x))
-        return self.head(torch.relu(self.body2(x)))
 
 
 def _snapshot(method, model):

@@ -10,32 +10,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import abtrain
 from abtrain.methods.ab import ABConfig
 from abtrain.methods.ab.fragments import SyncFragments
 from abtrain.methods.ab.schedule import Schedule, check_run
-from helpers import run_world
+from helpers import BNNet, run_world
 
 T_W, K, STEPS = 3, 6, 20  # fragment 0 syncs after steps 6, 12, 18, fragment 1 after 9 and 15; the last sync at 20
 STOP = 10
 
 
-class Net(nn.Module):
-    """Four layers and a BatchNorm: the first and the last kept full rank, body and body2 factorised."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(16, 48)
-        self.norm = nn.BatchNorm1d(48)
-        self.body = nn.Linear(48, 40)
-        self.body2 = nn.Linear(40, 48)
-        self.head = nn.Linear(48, 16)
-
-    def forward(self, x):
-        x = torch.relu(self.norm(self.stem(x)))
-        return self.head(torch.relu(self.body2(torch.relu(self.body(x)))))
+def Net():
+    """The first and the last layer kept full rank, body and body2 factorised, a BatchNorm after the first."""
+    return BNNet(16, 16)
 
 
 def _batch(step, rank):

@@ -9,7 +9,7 @@ from abtrain.comm.topology import Topology
 from abtrain.methods.ab import ABConfig, ABTraining
 from abtrain.methods.ab.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from helpers import run_world
-from test_ab import Net  # a small model with a BatchNorm1d (``norm``) between linear layers
+from helpers import BNNet as Net  # a small model with a BatchNorm1d (``norm``) between linear layers
 
 WORLD = 4
 C = 3
