@@ -151,25 +151,16 @@ with open(os.path.join(out, "ab_configs.json"), "w") as fh:
 print(f"\nwrote {os.path.join(out, 'ab_configs.json')}")
 
 # -- the front: metric against global bytes, each point's compression written beside it ----------------
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:  # the plots extra is not installed: the table and JSON are the result
-    sys.exit(0)
-fig, ax = plt.subplots(figsize=(7, 4.5))
+from plots import front  # noqa: E402  (beside this script)
+
+points = []
 for r in rows:
-    x, y = r["global_wire_bytes"][0] / 1e6, scale * r[metric][0]
     comp = [c for c in r["compression_ratio"] if c]
     label = f"{r['config']} ({sum(comp) / len(comp):.1f}:1)" if comp else r["config"]
-    ax.errorbar(x, y, yerr=scale * r[metric][1] / 2, fmt="o", capsize=3, label=label)
-ax.set_xscale("log")
-ax.set_xlabel("global wire bytes per worker (MB, log)")
-ax.set_ylabel(f"{'test perplexity' if unit == 'ppl' else 'test accuracy (%)'} (mean; bar: spread of the seeds)")
+    points.append((label, r["global_wire_bytes"][0] / 1e6, scale * r[metric][0], scale * r[metric][1], "o"))
 seeds_text = f"seeds {args.seeds}" if len(seeds) > 1 else f"seed {args.seeds}, no spread"
-ax.set_title(f"{workload.name}: {'perplexity' if unit == 'ppl' else 'accuracy'}, bytes and compression ({seeds_text})",
-             fontsize=10)
-ax.legend(fontsize=7)
-fig.tight_layout()
-fig.savefig(os.path.join(out, "front.png"), dpi=110)
-print(f"wrote {os.path.join(out, 'front.png')}")
+if front(points, os.path.join(out, "front.png"),
+         ylabel=f"{'test perplexity' if unit == 'ppl' else 'test accuracy (%)'} (mean; bar: spread of the seeds)",
+         title=f"{workload.name}: {'perplexity' if unit == 'ppl' else 'accuracy'}, bytes and compression "
+               f"({seeds_text})"):
+    print(f"wrote {os.path.join(out, 'front.png')}")

@@ -315,28 +315,17 @@ def added_section(report: Report, name: str, seeds: str) -> list[str]:
 def front_plot(report: Report, path: Path) -> bool:
     """Both tables' rows on one plot: the metric's mean (the seeds' spread as a bar) against global wire bytes per
     worker; False where matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plots import front
+
     scale = 1.0 if report.perplexity else 100.0
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     later = {r["config"] for r in report.added_rows}
-    for row, marker in [(r, "o") for r in report.rows if r["config"] not in later] + [(r, "s") for r in report.added_rows]:
-        mean, spread = row[report.data["metric"]]
-        ax.errorbar(row["global_wire_bytes"][0] / 1e6, scale * mean, yerr=scale * spread / 2, fmt=marker, capsize=3,
-                    label=row["config"] + (" (later)" if marker == "s" else ""))
-    ax.set_xscale("log")
-    ax.set_xlabel("global wire bytes per worker (MB, log)")
-    ax.set_ylabel(("test perplexity" if report.perplexity else "test accuracy (%)") + " (mean; bar: spread)")
-    ax.set_title(f"{report.workload}: every method, seeds {', '.join(map(str, report.seeds))}", fontsize=10)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    rows = [(r, "o") for r in report.rows if r["config"] not in later] + [(r, "s") for r in report.added_rows]
+    points = [(row["config"] + (" (later)" if marker == "s" else ""), row["global_wire_bytes"][0] / 1e6,
+               scale * row[report.data["metric"]][0], scale * row[report.data["metric"]][1], marker)
+              for row, marker in rows]
+    return front(points, path, title=f"{report.workload}: every method, seeds {', '.join(map(str, report.seeds))}",
+                 ylabel=("test perplexity" if report.perplexity else "test accuracy (%)") + " (mean; bar: spread)")
 
 
 def results_page(reports: list[Report], time: list[str] | None = None) -> str:
