@@ -143,12 +143,12 @@ def test_none_never_communicates_while_training(runs):
     assert set(s["by_phase"]) == {"setup", "eval"}
     # No buffer averaging at evaluation either: 7 float64 totals per evaluation; at the end each worker's
     # peak RSS and the length of its record (2 float64), then the record as JSON (padded to
-    # the longest); then the results' averaging over workers: an all-gather of 4 totals, a
+    # the longest); then the results' averaging over workers: an all-gather of 5 totals, a
     # 2-int64 key check and 5 numbers per ledger row of the snapshot it averages (the one in results.json).
     rows_before = len(runs[0]["none"]["results"]["comm"]["rows"])
     assert s["by_phase"]["eval"]["payload_bytes"] == (runs[0]["none"]["evals"] * 7 * 8 + 2 * 8
                                                       + _state_json_width(runs[0]["none"]["results"])
-                                                      + 4 * 8 + 2 * 8 + 5 * 8 * rows_before)
+                                                      + 5 * 8 + 2 * 8 + 5 * 8 * rows_before)
     assert _max_diff(runs[0]["none"]["state"], runs[1]["none"]["state"]) > 0  # the workers drifted apart
 
 

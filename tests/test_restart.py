@@ -90,7 +90,9 @@ def test_sigkilled_worker_restarts_and_finishes_identically(fashion_dir, tmp_pat
     # One line says what happened; the survivor's lost-peer error and gloo's text stay out of sight.
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    assert re.fullmatch(r"abtrain: worker [01] died \(killed by SIGKILL\) at step 1[5-9], restarting from the "
+    # rank 0 printed step 15; in an AB phase (groups of one worker) the killed worker may be a few steps behind it,
+    # past the checkpoint of step 12 that every worker wrote
+    assert re.fullmatch(r"abtrain: worker [01] died \(killed by SIGKILL\) at step 1[2-9], restarting from the "
                         r"checkpoint of step (12|16)", lines[0]), lines[0]
     status = json.loads((out / "status.json").read_text())
     assert status["status"] == "complete"
