@@ -4,6 +4,7 @@ The world trains one small network under the defaults with the whole model synce
 then stops the fragmented run mid-period and resumes it from each worker's own checkpoint and from rank 0's.
 """
 
+import logging
 import os
 
 import pytest
@@ -89,14 +90,19 @@ def _train(fragments, ckpt, stop=None, resume=None):
     model = method.prepare(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     method.attach(opt)
-    start = 0
+    start, lines = 0, []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("abtrain").addHandler(handler)
+    logging.getLogger("abtrain").setLevel(logging.INFO)
     if resume is not None:
         state = torch.load(os.path.join(ckpt, f"rank{rank if resume == 'own' else 0}.pt"))
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
+    logging.getLogger("abtrain").removeHandler(handler)
     probe = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
-    out = {"rank": rank, "sync_bytes": {}, "kept": {}, "evaluated": {}, "restored": {}}
+    out = {"rank": rank, "sync_bytes": {}, "kept": {}, "evaluated": {}, "restored": {}, "lines": lines}
     sync_before = 0.0
     for step in range(start, STEPS if stop is None else stop):
         x, y = _batch(step, rank)
@@ -188,3 +194,8 @@ def test_the_run_ends_with_one_model_on_every_worker(worlds):
 def test_a_fragmented_run_resumes_bit_for_bit_from_each_workers_own_checkpoint(worlds):
     for w in worlds:
         assert all(torch.equal(w["own"]["weights"][k], v) for k, v in w["fragments"]["weights"].items())
+
+
+def test_rank_0s_file_resumes_every_worker_saying_what_the_fragments_give_up(worlds):
+    line = [x for x in worlds[0]["rank0"]["lines"] if "a worker resuming from it" in x]
+    assert len(line) == 1 and "AB steps since each fragment's last sync (at most 5, since step 5)" in line[0], line
