@@ -62,7 +62,7 @@ class ABConfig(Options):
     warmup_steps: int | None = opt(None, "full-rank DP steps before the first decomposition (T_w), instead of the fraction; 0 decomposes before the first step")
     sync_every: int | None = opt(None, "steps between two syncs (the period), instead of the fraction: a sync at every multiple of it after the warm-up")
     min_sync_every: int = opt(16, "fewest steps between two syncs when the period comes from --ab-sync-fraction: a short run syncs no more often (each sync costs a decomposition of every factorised layer); 1 for no floor")
-    sync_fragments: int = opt(1, "streaming syncs: the layers cut into this many fragments (contiguous groups of about equal size, dealt out in turn), fragment f synced and decomposed again at the steps t with t mod K = f*K//F, so that a sync's bytes and decompositions are spread over the period K; 1 syncs the whole model at once")
+    sync_fragments: int = opt(1, "streaming syncs: the layers cut into this many fragments (contiguous groups of about equal size, dealt out in turn), fragment f synced and decomposed again at the steps t with t mod K = f*K//F, so that a sync's bytes and decompositions are spread over the period K (needs the tangent merge and no rebound); 1 syncs the whole model at once")
     rebound_steps: int | None = opt(None, "full-rank DP steps after each sync (F, less than the period), instead of the fraction; 0 re-decomposes right after the sync")
     lr_rebound_steps: int | None = opt(None, "steps over which the learning rate ramps back from the floor at each phase switch (R), instead of the fraction; 0 disables")
     tau: float | None = opt(None, f"rank rule: keep the singular values above tau * sigma_1 (default {DEFAULT_TAU} when no other rank rule is given)")

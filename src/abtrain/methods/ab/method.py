@@ -13,6 +13,9 @@ optimizer steps ``t`` and, by default, scales with the run (the fractions of
   F steps of full-rank DP (phase ``rebound``), then a truncated decomposition
   and AB steps until the next multiple of ``sync_every``. With F = 0 the sync
   and the truncated decomposition follow each other at once.
+* with ``sync_fragments`` F > 1 (and F = 0): fragment f of the layers syncs
+  and is decomposed again at the steps with ``t mod sync_every = f * sync_every
+  // F``, the others training on apart (:mod:`.fragments`).
 
 :class:`ABTraining` holds the hooks the optimizer and the loop call, and its parts, each an object of its own
 that it calls: the :class:`~.schedule.Schedule` (when), the :class:`~.decomposer.Decomposer` (W split into
@@ -35,7 +38,7 @@ from ...comm.communicator import Communicator
 from ...comm.topology import Topology
 from ..base import Method
 from ..registry import MethodSpec, register
-from . import checkpoint, lowrank
+from . import checkpoint, lowrank, results
 from .buckets import OverlappedAverage
 from .compressor import build_sync_compressor
 from .config import ABConfig, check_topology, group_layout
@@ -372,22 +375,7 @@ class ABTraining(Method):
                 "_bases": self.state.bases, "_compressor": self.compressor, "_parts": self.state.parts,
                 "_outer": self.syncer.outer, "_agreed": self.state.agreed}
 
-    def extra_results(self) -> dict[str, Any]:
-        sched, st = self.schedule, self.state
-        return {
-            "compression_ratio": st.ratio,
-            **({"model_params": st.ranks[-1]["model_params"]} if st.ranks else {}),
-            "ranks": st.ranks,
-            "phases": sched.ranges(st.t),
-            "schedule": {"warmup_steps": sched.warmup, "sync_every": sched.sync_every, "rebound_steps": sched.rebound,
-                         "lr_rebound_steps": sched.lr_rebound, "sync_fragments": sched.fragments},
-            "kept_output_layers": st.kept,
-            "svd_seconds": st.svd_seconds,
-            "svd_counts": dict(st.svd_counts),
-            "sync_seconds": st.sync_seconds,
-            "syncs": st.syncs,
-            "role": st.role,
-        }
+    extra_results = results.extra_results  # what results.json reports of the schedule and the phases
 
     # -- checkpoints: this worker's state, or another worker's adopted (:mod:`.checkpoint`) -----------------------
     own_state = checkpoint.OWN_STATE

@@ -48,7 +48,8 @@ class Syncer:
 
     @torch.no_grad()
     def sync(self, module: nn.Module, optimizer: torch.optim.Optimizer, part: Part | None = None) -> None:
-        """Average the groups into one model: every layer leaves it in full mode, W the same on every worker.
+        """Average the groups into one model: every layer (of the part) leaves it in full mode, W the same on every
+        worker.
 
         ``part``: one fragment's layers and tensors (``--ab-sync-fragments``); None: the whole model."""
         st, cfg = self.state, self.cfg
@@ -86,13 +87,13 @@ class Syncer:
                 else:
                     lowrank.recompose(fp, bases.get(fp.name), changes.get(fp.name), core=core)
             if self.outer is not None:
-                self._outer_step(module, low, full, bases)
+                self._outer_step(low, part.params, bases)
             for fp in low:
                 st.bases.pop(fp.name, None)
             lowrank.set_trainable(part.records, "full")
         st.sync_seconds += time.perf_counter() - start
 
-    def _outer_step(self, module: nn.Module, low: list[lowrank.FactorizedParam], full: list[torch.Tensor],
+    def _outer_step(self, low: list[lowrank.FactorizedParam], named: list[tuple[str, torch.Tensor]],
                     bases: dict[str, lowrank.SVD]) -> None:
         """--ab-outer-lr/--ab-outer-momentum: each merged W and full-rank parameter through the outer step, from
         what the workers held when the phase began (:mod:`.outer`)."""
@@ -102,24 +103,19 @@ class Syncer:
                 u, s, vh = bases[fp.name]
                 self.outer.apply(fp.name, ((u * s) @ vh).reshape(fp.shape).to(fp.weight.dtype), fp.weight)
                 self.state.parts.pop(fp.name, None)  # W is no longer the phase's SVD plus the sync's change
-        named = self.full_rank_named(module, full)
         self.outer.apply_full_rank(named)
         self.outer.remember(named)
-
-    @staticmethod
-    def full_rank_named(module: nn.Module, full: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """``full`` (:func:`full_rank_tensors`) with their names in ``module``."""
-        ids = {id(t) for t in full}
-        return [(name, p) for name, p in module.named_parameters() if id(p) in ids]
 
     def agreed(self, module: nn.Module, part: Part | None = None) -> None:
         """A decomposition (of ``part``; None: the whole model): every worker holds the same full-rank parameters,
         the outer step's next W_start; with ``--ab-sync-fragments`` copied with the buffers into
         :attr:`~.state.PhaseState.agreed`, the model an evaluation between syncs is lent (:mod:`.fragments`)."""
-        if self.outer is not None:
-            self.outer.remember(self.full_rank_named(module, full_rank_tensors(module, self.state.records)))
+        if self.outer is None and self.cfg.sync_fragments == 1:
+            return
+        part = part if part is not None else part_of(module, self.state.records)
+        if self.outer is not None:  # never with fragments (ABConfig refuses both): part is the whole model
+            self.outer.remember(part.params)
         if self.cfg.sync_fragments > 1:
-            part = part if part is not None else part_of(module, self.state.records)
             for name, t in part.params + part.buffers:
                 self.state.agreed[name] = t.detach().clone()
 
@@ -130,7 +126,7 @@ class Syncer:
         inside each group the optimizer's moments, so that the decomposition that follows starts from one W and
         the workers of a group, which average their gradients from then on, step alike."""
         with torch.profiler.record_function("abtrain::ab::average_local"), self.comm.ledger.in_phase("sync"):
-            params = full_rank_tensors(module, self.state.records)  # a full-rank phase trains no factor
+            params = [p for _, p in part_of(module, self.state.records).params]  # a full-rank phase trains no factor
             buffers = [b for b in module.buffers() if b.is_floating_point()]
             self.comm.all_reduce_tensors(params + buffers, self.topo.world, wire_dtype=self.wire_dtype)
             moments = optimizer_moments(optimizer, params)
@@ -162,13 +158,6 @@ class Syncer:
         return {fp.name: bases[fp.name] for fp in low
                 if fp.name in bases and (fp.m * fp.n < fp.rank * (fp.m + fp.n) or self.cfg.quantised_sync
                                          or (compressor is not None and compressor.rank_for(fp.m, fp.n) is not None))}
-
-
-def full_rank_tensors(module: nn.Module, records: list[lowrank.FactorizedParam]) -> list[torch.Tensor]:
-    """Parameters not represented by factors this phase (full-mode W, biases, norms, kept layers)."""
-    factor_ids = {id(t) for fp in records for t in (fp.A, fp.B)}
-    low_ids = {id(fp.weight) for fp in records if fp.mode == "lowrank"}
-    return [p for p in module.parameters() if id(p) not in factor_ids and id(p) not in low_ids]
 
 
 @torch.no_grad()
