@@ -340,9 +340,17 @@ def test_python_m_abtrain_and_default_run_dir():
 
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (ROOT / "examples").glob("*.toml")))
-def test_every_preset_of_examples_is_a_valid_configuration(preset):
-    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(ROOT / "examples" / preset)]))
+def test_every_preset_of_examples_is_a_valid_configuration_holding_each_of_its_values(preset):
+    path = str(ROOT / "examples" / preset)
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", path]))
     assert cfg.method == "ab"
+    from abtrain.config import read_config_file
+    values = read_config_file(path)
+    for key, value in values.items():
+        held = [(f"{key}.{k}", getattr(getattr(cfg, key), k), v) for k, v in value.items()] \
+            if isinstance(value, dict) else [(key, getattr(cfg, key), value)]
+        for name, got, want in held:
+            assert got == want, f"{preset}: {name} is {got!r} in the run's configuration, {want!r} in the file"
 
 
 def test_a_renamed_flag_or_file_key_is_refused_naming_its_new_name(tmp_path, capsys):
