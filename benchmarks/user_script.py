@@ -44,6 +44,8 @@ parser.add_argument("--ckpt", help="DDP's checkpoint habit: rank 0 saves the mod
                     "state_dicts here after --stop-after steps, and --resume loads that file on every worker")
 parser.add_argument("--stop-after", type=int, metavar="N", help="save --ckpt after N optimizer steps and stop")
 parser.add_argument("--resume", action="store_true", help="continue from --ckpt")
+parser.add_argument("--gather", action="store_true", help="every worker calls method.gather_state() before rank 0 "
+                    "saves --ckpt (rank 0's file then carries each worker's own part)")
 parser.add_argument("--profile", type=int, default=0, metavar="N",
                     help="rank 0 prints the N functions with the most time inside them (cProfile, cumulative)")
 args = parser.parse_args()
@@ -137,6 +139,8 @@ for epoch in range(args.epochs):
         done += 1
         step_seconds[phase] = step_seconds.get(phase, 0.0) + time.perf_counter() - t0
 if done == args.stop_after:
+    if args.gather and method is not None:
+        method.gather_state()
     if rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": done},
                    args.ckpt)

@@ -10,8 +10,10 @@ Each habit is written as under DDP; the lines marked ``# abtrain`` are what chan
 ``backward()`` returns, so ``clip_grad_norm_`` clips what the optimizer applies; the optimizer's
 state_dict, saved after ``method.attach(opt)``, carries the method's state, so the model's and the
 optimizer's state_dicts are the whole checkpoint. Rank 0's file resumes every worker: inside an AB phase the
-workers of the other role go on from the phase's start, and rank 0 says what that gives up. ``--per-rank``
-saves each worker's file as well and resumes each from its own: the same bits as the uninterrupted run.
+workers of the other role go on from the phase's start, and rank 0 says what that gives up. ``--gather``
+adds one line before the save, ``method.gather_state()`` on every worker, and rank 0's file then resumes each
+worker as it was: the same bits as the uninterrupted run. ``--per-rank`` saves each worker's file as well and
+resumes each from its own: the same bits too.
 """
 import argparse
 import math
@@ -39,6 +41,9 @@ parser.add_argument("--stop-after", type=int, help="stop after this many steps (
 parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --ckpt-dir")
 parser.add_argument("--per-rank", action="store_true",
                     help="each worker saves its own file too, and resumes from it (bit-identical inside an AB phase)")
+parser.add_argument("--gather", action="store_true",
+                    help="every worker calls method.gather_state() before rank 0 saves: rank 0's file then resumes "
+                         "each worker bit for bit")
 parser.add_argument("--out", help="rank 0 writes the exported weights and the run's figures here (a .pt file)")
 args = parser.parse_args()
 
@@ -108,6 +113,8 @@ while step < total and step != args.stop_after:
         sched.step()
         step += 1
         if path and step % args.ckpt_every == 0:
+            if args.gather:
+                method.gather_state()  # abtrain, every worker: rank 0's file then carries each worker's own part
             for file in [path] * (rank == 0) + [own] * (own is not None):
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                             "scheduler": sched.state_dict(), "step": step}, file + ".tmp")

@@ -318,7 +318,7 @@ def _torchrun(*args: str) -> str:
     return p.stdout
 
 
-@pytest.mark.timeout(360)  # five runs of the script under torchrun
+@pytest.mark.timeout(480)  # seven runs of the script under torchrun
 def test_habits_script_clips_keeps_low_rank_accumulates_and_resumes_to_the_same_bits(tmp_path):
     whole = tmp_path / "whole.pt"
     out = _torchrun(*QUICK, "--out", str(whole))
@@ -344,6 +344,14 @@ def test_habits_script_clips_keeps_low_rank_accumulates_and_resumes_to_the_same_
     other = torch.load(from_rank0)
     assert other["results"]["steps"] == run["results"]["steps"] and other["low_rank"] == run["low_rank"]
     assert other["accuracy"] > run["accuracy"] - 0.05  # the B-groups' 4 steps cost no accuracy worth the name
+    # With method.gather_state() on every worker before rank 0 saves, rank 0's file resumes every worker exactly.
+    _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "gathered"), "--stop-after", "20", "--gather")
+    gathered = tmp_path / "gathered.pt"
+    said = _torchrun(*QUICK, "--ckpt-dir", str(tmp_path / "gathered"), "--resume", "--out", str(gathered))
+    assert "a worker resuming from it" not in said
+    exact = torch.load(gathered)
+    for key, value in run["weights"].items():
+        assert torch.equal(exact["weights"][key], value), key
     # One micro-batch per step instead of two: the same bytes (no_sync() sends nothing).
     single = tmp_path / "single.pt"
     _torchrun(*QUICK, "--accumulate", "1", "--out", str(single))

@@ -5,7 +5,8 @@ saves it the ways users do (rank 0's torch.save of the model's and the optimizer
 do; each worker's own file; torch.distributed.checkpoint of ``{"model": model, "optim": opt}``, and DCP through
 the ``get_state_dict`` / ``set_state_dict`` helpers FSDP2 users take); one resumes each from each. Rank 0's
 checkpoint resumes every worker: exactly where rank 0 says nothing, otherwise with one line on rank 0 saying
-what is given up, every worker ending with one model. Per-rank files and DCP resume every worker bit for bit.
+what is given up, every worker ending with one model. Per-rank files, DCP and rank 0's file written after every
+worker called ``method.gather_state()`` resume every worker bit for bit.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def _train(name: str, ckpt: str, stop: int | None = None, resume: str | None = N
     logging.getLogger("abtrain").setLevel(logging.INFO)
     start, out = 0, {}
     try:
-        if resume in ("rank0", "perrank"):
-            # rank 0's file on every rank, or each rank its own
-            state = torch.load(os.path.join(ckpt, f"rank{rank if resume == 'perrank' else 0}.pt"))
+        if resume in ("rank0", "perrank", "gathered"):
+            # rank 0's file on every rank (after gather_state(): "gathered"), or each rank its own
+            state = torch.load(os.path.join(ckpt, {"rank0": "rank0.pt", "perrank": f"rank{rank}.pt",
+                                                   "gathered": "gathered.pt"}[resume]))
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
@@ -108,6 +110,10 @@ def _train(name: str, ckpt: str, stop: int | None = None, resume: str | None = N
             if name in DCP_METHODS and stop == STOP:
                 dcp.save({"model": model, "optim": opt, "sched": sched}, checkpoint_id=os.path.join(ckpt, "dcp"))
                 dcp.save({"app": AppState(model, opt), "sched": sched}, checkpoint_id=os.path.join(ckpt, "helpers"))
+                method.gather_state()  # every worker; then rank 0's file carries each worker's own part
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                                "step": stop}, os.path.join(ckpt, "gathered.pt"))
             dist.barrier()
             method.detach(finalize=False)
             return out
@@ -192,7 +198,7 @@ def _world(phase: str, ckpt_root: str) -> dict[str, Any]:
         elif phase == "stop":
             out[(name, stop)] = _train(name, ckpt, stop=stop)
         else:
-            for way in ("rank0", "perrank", "dcp", "helpers") if name in DCP_METHODS else ("rank0",):
+            for way in ("rank0", "perrank", "dcp", "helpers", "gathered") if name in DCP_METHODS else ("rank0",):
                 if way == "rank0" or stop == STOP:
                     out[(name, stop, way)] = _train(name, ckpt, resume=way)
     if phase == "resume":
@@ -266,9 +272,9 @@ def test_a_b_worker_resumed_from_an_a_worker_trains_its_own_split(worlds):
         assert torch.equal(b["bases"][n][0], vh) and torch.equal(b["bases"][n][1], sigma)
 
 
-@pytest.mark.parametrize("way", ["perrank", "dcp", "helpers"])
+@pytest.mark.parametrize("way", ["perrank", "dcp", "helpers", "gathered"])
 @pytest.mark.parametrize("name", DCP_METHODS)
-def test_per_rank_files_and_dcp_resume_every_worker_bit_for_bit(worlds, name, way):
+def test_per_rank_files_dcp_and_rank0_after_gather_state_resume_every_worker_bit_for_bit(worlds, name, way):
     for rank in range(4):
         run = worlds["resume"][rank][(name, STOP, way)]
         whole = worlds["whole"][rank][name]

@@ -114,15 +114,15 @@ class Ledger:
             row.seconds += seconds
             if events is not None:
                 self.device_times.add(row, *events)
-            if group.scope == "global" and key[5] not in ("setup", "eval"):
+            if group.scope == "global" and key[5] not in ("setup", "eval", "checkpoint"):
                 self._step_global += wire
         return payload, wire
 
     def end_step(self, step: int) -> None:
         """Close optimizer step ``step`` (1-based): its global wire bytes (every collective between the end of the
-        step before and the end of this one, a sync or decomposition after it included; the one-off setup and
-        the evaluations not) count towards :attr:`peak_global_step_bytes`, the peak a slow link between nodes
-        has to carry in one step."""
+        step before and the end of this one, a sync or decomposition after it included; the one-off setup,
+        the evaluations and a checkpoint's gather not) count towards :attr:`peak_global_step_bytes`, the peak a
+        slow link between nodes has to carry in one step."""
         if self._step_global > self.peak_global_step_bytes:
             self.peak_global_step_bytes, self.peak_global_step = self._step_global, step
         self._step_global = 0.0

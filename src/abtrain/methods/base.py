@@ -182,6 +182,7 @@ class Method(LoopContract):
         self.after_step(optimizer)
         self._reduced = False
         self.steps += 1
+        self._gathered = None  # gather_state()'s parts are of the step before
         self.comm.ledger.end_step(self.steps)
         self._watch_backward()
         if phase != self._measured_phase:  # the first steps of the run and of every phase

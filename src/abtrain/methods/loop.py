@@ -111,6 +111,7 @@ class LoopContract:
     _just_restored = False  # the method's state was restored since the last step (a model loaded now goes with it)
     _held_loaded = False  # a model state_dict whose placeholders wait for the optimizer's state (DCP's form)
     _resume_check: Any = None  # the forward pre-hook that checks, at the next training forward, what was loaded
+    _gathered: tuple[int, dict[int, bytes]] | None = None  # rank 0: every worker's own part, and the step of it
 
     name: str
     averages_gradients: bool
@@ -182,6 +183,24 @@ class LoopContract:
         assert self.module is not None, "prepare() first"
         return resume.float_buffer_names(self.module), set()
 
+    def gather_state(self) -> None:
+        """Collective, called by every worker at the same step just before rank 0 saves: each worker's own part of
+        the state (what per-rank files and torch.distributed.checkpoint keep per worker: AB-training's factors,
+        their optimizer state and error memories, DiLoCo's local model...) goes to rank 0, whose optimizer
+        state_dict of this step then carries every worker's, so that rank 0's file resumes each worker exactly.
+        It sends each worker's own part to every worker (an all-gather, counted in the ledger under the phase
+        ``checkpoint``); rank 0 keeps them until the next step. Where the workers hold one state it is not
+        needed (rank 0's file is exact without it) and costs only those bytes."""
+        if self._attached is None:
+            raise ValueError("gather_state() needs the optimizer attached: call method.attach(optimizer) first")
+        optimizer = self._attached[0]
+        self._gathered = None
+        blob = resume.own_part(self, optimizer)
+        with self.comm.ledger.in_phase("checkpoint"):
+            blobs = resume.gather_own(self.comm, self.topo.world, blob, self.comm.device)
+        if self.topo.rank == 0:
+            self._gathered = (self.steps, dict(enumerate(blobs)))
+
     def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
         """Load a state another worker wrote (rank 0's checkpoint, loaded by every worker), after the model's and
         the optimizer's: taken as it is by default, which is right where every worker holds the same state; a
@@ -239,7 +258,10 @@ class LoopContract:
         section = {"version": STATE_VERSION, "abtrain": __version__, "method": self.name,
                    "writer": Writer.of(self.topo).to_dict(), "state": self.state_dict(), "steps": self.steps,
                    "ledger": self.comm.ledger.state_dict()}
-        if kind is None:
+        gathered = self._gathered if self._gathered is not None and self._gathered[0] == self.steps else None
+        if kind is None and gathered is not None:  # gather_state() at this step: every worker's own part
+            resume.to_dcp(self, optimizer, state, section, workers=gathered[1])
+        elif kind is None:
             state[STATE_KEY] = section
         else:
             resume.to_dcp(self, optimizer, state, section)

@@ -8,7 +8,9 @@ checkpoint. Three ways of taking one end in the same code:
 * **rank 0's file**, as DDP scripts do: a worker that did not write the state takes what the workers share
   (the schedule, the global model, the agreed optimizer state) and rebuilds what was the writer's own from
   it (:meth:`~abtrain.methods.loop.LoopContract.adopt_state`); rank 0 says in one line what that gives up
-  (:meth:`~abtrain.methods.loop.LoopContract.given_up`);
+  (:meth:`~abtrain.methods.loop.LoopContract.given_up`). After every worker called
+  :meth:`~abtrain.methods.loop.LoopContract.gather_state`, rank 0's optimizer state_dict of that step takes
+  DCP's form below with every worker's own part (:func:`gather_own`), and each worker resumes its own;
 * **torch.distributed.checkpoint**: DCP saves a key held by every rank once, from one of them, and loads
   into tensors of the shapes it is handed. Asked from inside DCP (:func:`dcp_call`), the state_dicts take
   another form: what differs between workers, and what changes shape (AB-training's factors), leaves the
@@ -182,11 +184,13 @@ def resume_line(method: str, steps: int, writer: Writer, phrases: list[str]) -> 
 _SECTION_OWN = ("writer", "state", "ledger")  # the parts of the method's section each worker has of its own
 
 
-def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], section: dict[str, Any]) -> None:
+def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], section: dict[str, Any],
+           workers: dict[int, bytes] | None = None) -> None:
     """``state`` (the optimizer's state_dict, ``section`` the method's part of it) in the form DCP saves:
     the optimizer's per-parameter state and the model's tensors :meth:`~.loop.LoopContract.dcp_split` names
     as two byte strings in the first parameter group, :data:`SHARED` and this worker's :func:`worker_key`
-    (the per-parameter entries stay, empty: torch's ``set_state_dict`` wants one for each trained parameter)."""
+    (the per-parameter entries stay, empty: torch's ``set_state_dict`` wants one for each trained parameter).
+    ``workers``: every worker's own byte string by rank (:func:`gather_own`), in place of this worker's."""
     own_names, held = method.dcp_split()
     names = {id(p): name for name, p in method.module.named_parameters(remove_duplicate=False)}
     params = optimizer_params(optimizer)
@@ -200,7 +204,29 @@ def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any],
     own = {"writer": section["writer"], "state": own_state, "ledger": section["ledger"], "optimizer": own_opt,
            "model": {n: model[n] for n in own_names if n in model}}
     state["state"] = {pos: {} for pos in state["state"]}
-    state["param_groups"][0][STATE_KEY] = {SHARED: pack(shared), worker_key(method.topo.rank): pack(own)}
+    blobs = {worker_key(r): blob for r, blob in workers.items()} if workers else {
+        worker_key(method.topo.rank): pack(own)}
+    state["param_groups"][0][STATE_KEY] = {SHARED: pack(shared), **blobs}
+
+
+def own_part(method: Any, optimizer: torch.optim.Optimizer) -> bytes:
+    """This worker's own part of the state (what a per-rank file or DCP keeps per worker), as :func:`to_dcp`
+    packs it."""
+    state = optimizer.state_dict()
+    section = state.pop(STATE_KEY)
+    to_dcp(method, optimizer, state, section)
+    return state["param_groups"][0][STATE_KEY][worker_key(method.topo.rank)]
+
+
+def gather_own(comm: Any, group: Any, blob: bytes, device: torch.device) -> list[bytes]:
+    """Every member's ``blob``, in rank order (two all-gathers: the lengths, then the blobs padded to the
+    longest)."""
+    mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    lengths = [int(n) for n in comm.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device),
+                                               group)]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine.to(device)
+    return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(comm.all_gather(padded, group), lengths)]
 
 
 def dcp_template(method: Any, state: dict[str, Any]) -> None:
@@ -231,6 +257,8 @@ def from_dcp(method: Any, state: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     if not blobs.get(SHARED) or not own_blob:
         raise ValueError("the optimizer's state_dict holds the keys of abtrain's state under torch.distributed."
                          "checkpoint but not their values: load it with torch.distributed.checkpoint.load")
+    if all(worker_key(r) in blobs for r in range(method.topo.world_size)):
+        method._dcp_every_worker = True  # each worker its own part: nobody adopts another's, nothing to say
     shared, own = unpack(blobs[SHARED]), unpack(own_blob)
     section = {**{k: v for k, v in shared.items() if k not in ("state", "optimizer", "model")},
                "writer": own["writer"], "state": merge_state(shared["state"], own["state"]), "ledger": own["ledger"]}
