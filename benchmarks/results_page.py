@@ -459,6 +459,14 @@ def wall_ratios(walls: dict | None) -> dict[str, dict[str, list[float]]]:
     return out
 
 
+def unfinished(walls: dict) -> str:
+    """What the stored sweep left out, where it stopped before its end (the same command goes on from it)."""
+    if walls.get("complete", True):
+        return ""
+    runs = sorted({(row["workload"], row["seed"]) for row in walls["rows"]})
+    return f"; stopped before its end after {len(runs)} pairs of runs: the same command goes on with the rest"
+
+
 def ratios(values: list[float | None], missing: str = "–") -> str:
     """Per-seed ratios, ``missing`` for a seed without one (a target never reached); "–" for none at all."""
     if not values:
@@ -492,7 +500,7 @@ def time_table(nets: list[SlowNet], walls: dict | None) -> str:
     notes = []
     if one:
         notes.append(f"One machine: the training loop's wall of each seed, 4 workers on 2 CPU cores "
-                     f"(`{walls['command']}`, {walls['date']}).")
+                     f"(`{walls['command']}`, {walls['date']}{unfinished(walls)}).")
     else:
         notes.append("One machine: not measured on an idle machine yet (`benchmarks/wall_vs_ddp.py`).")
     for n in nets:
@@ -526,7 +534,8 @@ def time_section(nets: list[SlowNet], walls: dict | None) -> list[str]:
     one = wall_ratios(walls)
     lines += [""]
     if one:
-        lines += para(f"On one machine (`{walls['command']}`, {walls['date']}): each method's training-loop wall "
+        lines += para(f"On one machine (`{walls['command']}`, {walls['date']}{unfinished(walls)}): each method's "
+                      "training-loop wall "
                       "as a multiple of DDP's, seed by seed: "
                       + "; ".join(f"`{w}` " + ", ".join(f"{m} {ratios(v)}" for m, v in one[w].items() if m != "ddp")
                                   for w in one) + ".")
