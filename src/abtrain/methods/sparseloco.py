@@ -82,6 +82,8 @@ class SparseLoCo(DiLoCo):
     """The user's optimizer for ``H`` inner steps, then a sparse, 2-bit outer step (phases ``inner`` / ``outer``):
     DiLoCo's global copy, schedule and resume, another outer step."""
 
+    own_state = ("accumulators",)  # each worker's error feedback: what its own top-k did not send
+
     name = "sparseloco"
     syncs_buffers = False  # an outer step carries parameters only: consensus averages the buffers
     config_class = SparseLoCoConfig
