@@ -111,7 +111,7 @@ class LoopContract:
     _just_restored = False  # the method's state was restored since the last step (a model loaded now goes with it)
     _held_loaded = False  # a model state_dict whose placeholders wait for the optimizer's state (DCP's form)
     _resume_check: Any = None  # the forward pre-hook that checks, at the next training forward, what was loaded
-    _gathered: tuple[int, dict[int, bytes]] | None = None  # rank 0: every worker's own part, and the step of it
+    _gathered: dict[int, bytes] | None = None  # rank 0: every worker's own part, gathered at this step
 
     name: str
     averages_gradients: bool
@@ -199,7 +199,7 @@ class LoopContract:
         with self.comm.ledger.in_phase("checkpoint"):
             blobs = resume.gather_own(self.comm, self.topo.world, blob, self.comm.device)
         if self.topo.rank == 0:
-            self._gathered = (self.steps, dict(enumerate(blobs)))
+            self._gathered = dict(enumerate(blobs))  # dropped at the step's end (Method._post_step)
 
     def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
         """Load a state another worker wrote (rank 0's checkpoint, loaded by every worker), after the model's and
@@ -258,9 +258,8 @@ class LoopContract:
         section = {"version": STATE_VERSION, "abtrain": __version__, "method": self.name,
                    "writer": Writer.of(self.topo).to_dict(), "state": self.state_dict(), "steps": self.steps,
                    "ledger": self.comm.ledger.state_dict()}
-        gathered = self._gathered if self._gathered is not None and self._gathered[0] == self.steps else None
-        if kind is None and gathered is not None:  # gather_state() at this step: every worker's own part
-            resume.to_dcp(self, optimizer, state, section, workers=gathered[1])
+        if kind is None and self._gathered is not None:  # gather_state() at this step: every worker's own part
+            resume.to_dcp(self, optimizer, state, section, workers=self._gathered)
         elif kind is None:
             state[STATE_KEY] = section
         else:

@@ -184,13 +184,11 @@ def resume_line(method: str, steps: int, writer: Writer, phrases: list[str]) -> 
 _SECTION_OWN = ("writer", "state", "ledger")  # the parts of the method's section each worker has of its own
 
 
-def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], section: dict[str, Any],
-           workers: dict[int, bytes] | None = None) -> None:
-    """``state`` (the optimizer's state_dict, ``section`` the method's part of it) in the form DCP saves:
-    the optimizer's per-parameter state and the model's tensors :meth:`~.loop.LoopContract.dcp_split` names
-    as two byte strings in the first parameter group, :data:`SHARED` and this worker's :func:`worker_key`
-    (the per-parameter entries stay, empty: torch's ``set_state_dict`` wants one for each trained parameter).
-    ``workers``: every worker's own byte string by rank (:func:`gather_own`), in place of this worker's."""
+def split_parts(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], section: dict[str, Any]
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared, own): ``state`` (the optimizer's state_dict, ``section`` the method's part of it) cut into what
+    every worker holds alike and what is this worker's own: the optimizer's per-parameter state and the model's
+    tensors :meth:`~.loop.LoopContract.dcp_split` names, the method's state by its ``own_state`` paths."""
     own_names, held = method.dcp_split()
     names = {id(p): name for name, p in method.module.named_parameters(remove_duplicate=False)}
     params = optimizer_params(optimizer)
@@ -203,6 +201,17 @@ def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any],
               "optimizer": shared_opt, "model": {n: model[n] for n in held - own_names if n in model}}
     own = {"writer": section["writer"], "state": own_state, "ledger": section["ledger"], "optimizer": own_opt,
            "model": {n: model[n] for n in own_names if n in model}}
+    return shared, own
+
+
+def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], section: dict[str, Any],
+           workers: dict[int, bytes] | None = None) -> None:
+    """``state`` (the optimizer's state_dict, ``section`` the method's part of it) in the form DCP saves: the
+    two parts of :func:`split_parts` as two byte strings in the first parameter group, :data:`SHARED` and this
+    worker's :func:`worker_key` (the per-parameter entries stay, empty: torch's ``set_state_dict`` wants one for
+    each trained parameter). ``workers``: every worker's own byte string by rank (:func:`gather_own`), in place
+    of this worker's."""
+    shared, own = split_parts(method, optimizer, state, section)
     state["state"] = {pos: {} for pos in state["state"]}
     blobs = {worker_key(r): blob for r, blob in workers.items()} if workers else {
         worker_key(method.topo.rank): pack(own)}
@@ -210,12 +219,10 @@ def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any],
 
 
 def own_part(method: Any, optimizer: torch.optim.Optimizer) -> bytes:
-    """This worker's own part of the state (what a per-rank file or DCP keeps per worker), as :func:`to_dcp`
-    packs it."""
+    """This worker's own part of the state (what a per-rank file or DCP keeps per worker), packed."""
     state = optimizer.state_dict()
     section = state.pop(STATE_KEY)
-    to_dcp(method, optimizer, state, section)
-    return state["param_groups"][0][STATE_KEY][worker_key(method.topo.rank)]
+    return pack(split_parts(method, optimizer, state, section)[1])
 
 
 def gather_own(comm: Any, group: Any, blob: bytes, device: torch.device) -> list[bytes]:
