@@ -16,6 +16,7 @@ scripts do, and the run stops; ``--ckpt FILE --resume`` loads that file on every
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 
@@ -144,6 +145,8 @@ if done == args.stop_after:
     if rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": done},
                    args.ckpt)
+        sent = method.comm.ledger.summary()["by_phase"].get("checkpoint", {}).get("wire_bytes", 0.0) if method else 0
+        print(json.dumps({"checkpoint_bytes": os.path.getsize(args.ckpt), "gather_wire_bytes": sent}))
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(0)

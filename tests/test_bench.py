@@ -450,6 +450,7 @@ for _ in range(300):
 for _ in range(100):
     dist.all_gather([torch.empty(500) for _ in range(4)], torch.ones(500))
     dist.all_to_all_single(torch.empty(2_000), torch.ones(2_000))
+    dist.gather(torch.ones(5_000), [torch.empty(5_000) for _ in range(4)] if dist.get_rank() == 0 else None)
 dist.destroy_process_group()
 """
 
@@ -457,18 +458,20 @@ dist.destroy_process_group()
 @needs_netns
 @pytest.mark.timeout(300)
 def test_node_payload_is_the_counted_data_plus_gloo_framing():
-    """Many small collectives between 2 nodes: the TCP payload is the expected data plus gloo's 144 B per message."""
+    """Many small collectives between 2 nodes (a gather to rank 0 among them): the TCP payload is the expected data
+    plus gloo's 144 B per message."""
     from abtrain.sidebyside.linkbytes import HEADER_BYTES, expected_link_tx, gloo_framing_tx
     sent = _four_workers_in_two_nodes(_FRAMING_OPS, "rate=1gbit", 29535)
     payload = sum(d["tx_bytes"] - HEADER_BYTES * d["tx_packets"] for d in sent)
     rows = [_row("all_reduce", "global", 4_000 * 300, 4, calls=300),
             _row("all_gather", "global", 2_000 * 100, 4, calls=100),
-            _row("all_to_all", "global", 8_000 * 100, 4, calls=100)]
+            _row("all_to_all", "global", 8_000 * 100, 4, calls=100),
+            _row("gather", "global", 20_000 * 100, 4, calls=100)]
     data, framing = expected_link_tx(rows, 4, 2), gloo_framing_tx(rows, 4, 2)
     print(f"\nnode payload {payload} B: data {data:.0f} + gloo framing {framing:.0f} (ring set-up and the store "
           f"on top)", file=sys.stderr)
-    # Both nodes: data 6.40 MB, framing 1.32 MB; leaving the framing out would be 17 % short. Connecting the
-    # workers and the rendezvous store add about 10 kB.
+    # Both nodes: data 10.40 MB (the gathers 4 MB: ranks 2 and 3 send theirs across), framing 1.35 MB; leaving
+    # the framing out would be 12 % short. Connecting the workers and the rendezvous store add about 10 kB.
     assert data + framing <= payload <= (data + framing) * 1.01 + 10_000
 
 

@@ -16,6 +16,7 @@ def test_wire_formulas(p):
     assert wire_bytes("broadcast", b, p) == pytest.approx((p - 1) / p * b)
     assert wire_bytes("all_gather", b, p) == pytest.approx((p - 1) * b)
     assert wire_bytes("all_to_all", b, p) == pytest.approx((p - 1) / p * b)
+    assert wire_bytes("gather", b, p) == pytest.approx((p - 1) / p * b)
 
 
 def test_single_worker_sends_nothing():
@@ -143,6 +144,26 @@ def test_digest_tells_whether_every_worker_holds_the_same_tensors(differ):
 
     for same, calls in world.run(worker):
         assert same is (differ is None) and calls == [("all_reduce", 32)]
+
+
+def test_gather_own_hands_rank_0_every_workers_bytes_and_counts_one_gather():
+    """Parts of different lengths reach rank 0 whole, in rank order; the others get None. The ledger: the
+    lengths' all-gather (8 bytes each), then one gather of the parts padded to the longest."""
+    from abtrain.comm.recording import LocalWorld
+    from abtrain.methods.resume import gather_own
+
+    world = LocalWorld(4)
+    parts = [bytes(range(r, r + 10 * r + 1)) for r in range(4)]  # 1, 11, 21, 31 bytes
+
+    def worker(comm):
+        got = gather_own(comm, world.group, parts[comm.rank], torch.device("cpu"))
+        rows = {key[0]: (row.calls, row.payload_bytes, row.wire_bytes) for key, row in comm.ledger.rows.items()}
+        return got, rows
+
+    for rank, (got, rows) in enumerate(world.run(worker)):
+        assert got == (parts if rank == 0 else None)
+        assert rows == {"all_gather": (1, 8, wire_bytes("all_gather", 8, 4)),
+                        "gather": (1, 31, wire_bytes("gather", 31, 4))}
 
 
 def test_ledger_peak_step_counts_global_traffic_between_step_ends():

@@ -142,6 +142,16 @@ class Communicator:
             dist.all_gather(out, tensor, group=group.pg)
         return out
 
+    def gather(self, tensor: torch.Tensor, group: Group, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every member's ``tensor`` (one shape) to global rank ``dst`` (which must belong to ``group``): the list in
+        group-rank order on ``dst``, None elsewhere."""
+        if group.size <= 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(group.size)] if dist.get_rank() == dst else None
+        with self._timed("gather", group, tensor):
+            dist.gather(tensor, out, dst=dst, group=group.pg)
+        return out
+
     def all_to_all(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         """Send the j-th of ``group.size`` equal chunks of ``tensor`` to member j; return what each member sent
         this worker, in group-rank order, as one tensor of the same shape."""

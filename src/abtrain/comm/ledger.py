@@ -15,6 +15,9 @@ reduce_scatter     (p-1)/p * b            ring: b is the full input tensor
 all_gather         (p-1) * b              ring: b is one worker's contribution
 broadcast          (p-1)/p * b            pipelined ring: the p-1 receivers' b,
                                           spread over p senders
+gather             (p-1)/p * b            to one root: the p-1 others' b, as a
+                                          mean over the p workers (b is one
+                                          worker's contribution)
 all_to_all         (p-1)/p * b            b is the full input tensor, split in p
                                           equal chunks: chunk j goes to member j,
                                           the worker's own chunk stays
@@ -36,7 +39,7 @@ import torch
 from .device_timing import EventTimes
 from .group import SCOPES, Group
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "gather", "all_to_all")
 
 
 def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
@@ -46,7 +49,7 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (p - 1) / p * payload_bytes
-    if op in ("reduce_scatter", "broadcast", "all_to_all"):
+    if op in ("reduce_scatter", "broadcast", "gather", "all_to_all"):
         return (p - 1) / p * payload_bytes
     if op == "all_gather":
         return float((p - 1) * payload_bytes)

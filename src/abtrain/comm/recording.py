@@ -5,7 +5,7 @@ interface. On its own (a world of one) it skips every collective, as the real
 one does. Given a :class:`LocalWorld` of N simulated workers -- N threads of one
 process -- its collectives meet in memory: an all-reduce sums the N workers'
 tensors in rank order (so every worker gets the same bits), a broadcast copies
-the source's, an all_to_all hands worker ``j`` the ``j``-th chunk of every
+the source's, a gather hands the root every worker's, an all_to_all hands worker ``j`` the ``j``-th chunk of every
 worker's tensor. Every collective is recorded in the ledger, with the same wire
 model as on a real network, and in :attr:`RecordingCommunicator.calls`.
 
@@ -148,6 +148,12 @@ class RecordingCommunicator(Communicator):
         if group.size <= 1:
             return [tensor]
         return self._gather("all_gather", tensor, group)
+
+    def gather(self, tensor: torch.Tensor, group: Group, dst: int = 0) -> list[torch.Tensor] | None:
+        if group.size <= 1:
+            return [tensor]
+        gathered = self._gather("gather", tensor, group)
+        return gathered if self.rank == dst else None
 
     def all_to_all(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         if group.size <= 1:

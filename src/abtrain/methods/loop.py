@@ -188,9 +188,9 @@ class LoopContract:
         the state (what per-rank files and torch.distributed.checkpoint keep per worker: AB-training's factors,
         their optimizer state and error memories, DiLoCo's local model...) goes to rank 0, whose optimizer
         state_dict of this step then carries every worker's, so that rank 0's file resumes each worker exactly.
-        It sends each worker's own part to every worker (an all-gather, counted in the ledger under the phase
-        ``checkpoint``); rank 0 keeps them until the next step. Where the workers hold one state it is not
-        needed (rank 0's file is exact without it) and costs only those bytes."""
+        Each worker sends its own part once, to rank 0 (a gather, after an all-gather of the parts' lengths;
+        counted in the ledger under the phase ``checkpoint``); rank 0 keeps them until the next step. Where the
+        workers hold one state it is not needed (rank 0's file is exact without it) and costs only those bytes."""
         if self._attached is None:
             raise ValueError("gather_state() needs the optimizer attached: call method.attach(optimizer) first")
         optimizer = self._attached[0]
@@ -198,7 +198,7 @@ class LoopContract:
         blob = resume.own_part(self, optimizer)
         with self.comm.ledger.in_phase("checkpoint"):
             blobs = resume.gather_own(self.comm, self.topo.world, blob, self.comm.device)
-        if self.topo.rank == 0:
+        if blobs is not None:  # rank 0
             self._gathered = dict(enumerate(blobs))  # dropped at the step's end (Method._post_step)
 
     def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:

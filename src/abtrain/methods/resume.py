@@ -225,15 +225,17 @@ def own_part(method: Any, optimizer: torch.optim.Optimizer) -> bytes:
     return pack(split_parts(method, optimizer, state, section)[1])
 
 
-def gather_own(comm: Any, group: Any, blob: bytes, device: torch.device) -> list[bytes]:
-    """Every member's ``blob``, in rank order (two all-gathers: the lengths, then the blobs padded to the
-    longest)."""
+def gather_own(comm: Any, group: Any, blob: bytes, device: torch.device, dst: int = 0) -> list[bytes] | None:
+    """Every member's ``blob`` on global rank ``dst``, in rank order; None elsewhere. An all-gather of the
+    lengths (8 bytes each), then a gather of the blobs padded to the longest (gloo gathers tensors of one
+    size): each worker sends its part once, to ``dst`` only."""
     mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     lengths = [int(n) for n in comm.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device),
                                                group)]
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[:mine.numel()] = mine.to(device)
-    return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(comm.all_gather(padded, group), lengths)]
+    parts = comm.gather(padded, group, dst=dst)
+    return None if parts is None else [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(parts, lengths)]
 
 
 def dcp_template(method: Any, state: dict[str, Any]) -> None:

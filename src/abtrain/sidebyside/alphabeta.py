@@ -70,7 +70,7 @@ def group_size_of(op: str, payload_bytes: float, wire: float) -> int:
     r = wire / payload_bytes
     if op == "all_reduce":  # r = 2(p-1)/p
         return max(2, round(2 / (2 - r))) if r < 2 else 1 << 30
-    if op in ("reduce_scatter", "broadcast", "all_to_all"):  # r = (p-1)/p
+    if op in ("reduce_scatter", "broadcast", "gather", "all_to_all"):  # r = (p-1)/p
         return max(2, round(1 / (1 - r))) if r < 1 else 1 << 30
     if op == "all_gather":  # r = p-1
         return round(r) + 1

@@ -16,6 +16,9 @@ and an all-reduce inside the nodes):
 - **broadcast** goes out from the root's node only: every worker outside it receives one copy,
   (p − g) · b in all (measured 2.00 b from node 0, nothing from node 1), where the ledger counts
   (p−1)/p · b per worker.
+- **gather** to one root is a broadcast turned round: every worker outside the root's node sends its b
+  to the root, (p − g) · b in all, from the nodes other than the root's (the ledger counts (p−1)/p · b
+  per worker).
 - **all-to-all** (pairwise): each worker sends (p−g)/p · b to other nodes (measured with
   the framing below taken out: 1.00 b per node at p = 4, g = 2).
 - collectives over a group that fits inside one node (``group`` scope with groups = nodes) send nothing.
@@ -33,7 +36,7 @@ to receive" notice the other, so 144 bytes cross the link per message that cross
 (rounded up to a multiple of p) and sends S − S/p of them in each of its two halves, so 12 messages
 per call at p = 4 below 8 MiB: 1,728 bytes per node per call, measured 1,736; the all-gather sends
 each worker's contribution in two halves, 2(p−1) messages per ring edge (864 bytes at p = 4,
-measured 868); the broadcast and the all-to-all one message per pair of workers on different nodes
+measured 868); the broadcast, the gather and the all-to-all one message per pair of workers on different nodes
 (measured 200 and 580 bytes against 192 and 576). The reduce-scatter (no method uses it, and the
 :class:`~abtrain.comm.communicator.Communicator` issues none) is not modelled: gloo runs it as an all-reduce of
 its whole input (``reduce_scatter_tensor``) or of each chunk of its input list (``reduce_scatter``),
@@ -129,7 +132,7 @@ def gloo_framing_tx(rows: list[dict[str, Any]], world: int, node_size: int) -> f
             messages += (world / g) * calls * per_call  # one ring edge leaves each node
         elif row["op"] == "all_gather":
             messages += (world / g) * calls * 2 * (p - 1)
-        elif row["op"] == "broadcast":
+        elif row["op"] in ("broadcast", "gather"):
             messages += instances * calls * (p - g)
         elif row["op"] == "all_to_all":
             messages += instances * calls * p * (p - g)
@@ -148,7 +151,7 @@ def expected_link_tx(rows: list[dict[str, Any]], world: int, node_size: int) -> 
         instances = world / p  # the group's copies over the world (one for the world itself)
         if row["op"] in ("all_reduce", "all_gather", "reduce_scatter"):
             total += (world / g) * row["wire_bytes"]  # every node sends one worker's ring share
-        elif row["op"] == "broadcast":
+        elif row["op"] in ("broadcast", "gather"):  # one copy between the root and each worker outside its node
             total += instances * (p - g) * row["payload_bytes"]
         elif row["op"] == "all_to_all":
             total += world * (p - g) / p * row["payload_bytes"]
