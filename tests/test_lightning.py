@@ -2,9 +2,10 @@
 
 One world (Lightning's import costs each worker seconds) runs, in order: AB-training through the strategy
 with gradient clipping, accumulation over 2 micro-batches and a checkpoint after every epoch (Lightning's own,
-written by rank 0); the same run resumed from the first checkpoint (in the warm-up, where every worker holds one
-state) and from the second (right after a decomposition); the same training written as a plain loop around
-``abtrain.setup``; and
+written by rank 0, with every worker's own part of the method's state); the same run resumed from the first
+checkpoint (in the warm-up, where every worker holds one state) and from the second (right after a decomposition);
+the same with ``gather_checkpoints=False`` (rank 0's state alone); the same training written as a plain loop
+around ``abtrain.setup``; and
 abtrain's ``ddp`` method and the other kinds of method through the strategy. The example script runs as a user
 types it, Lightning starting its workers.
 """
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 import abtrain
 from abtrain.comm.ledger import wire_bytes
 from abtrain.integrations.lightning import AbtrainStrategy
+from abtrain.methods.resume import unpack
 from abtrain.methods.summary import ddp_equivalent
 
 from helpers import run_world
@@ -194,16 +196,30 @@ def _world(ckpt_dir: str) -> dict[str, Any]:
     logging.getLogger("lightning_fabric").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*(sync_dist|LeafSpec|isinstance).*")
-    out = {"ab": _fit("ab", ckpt_dir=ckpt_dir, **AB)}
+    dirs = {way: os.path.join(ckpt_dir, way) for way in ("gathered", "resumed", "resumed_again", "plain", "again")}
+    out = {"ab": _fit("ab", ckpt_dir=dirs["gathered"], **AB)}
     dist.barrier()
-    first, second = (os.path.join(ckpt_dir, f"epoch={e}-step={(e + 1) * STEPS_PER_EPOCH}.ckpt") for e in (0, 1))
+    first, second = (os.path.join(dirs["gathered"], f"epoch={e}-step={(e + 1) * STEPS_PER_EPOCH}.ckpt")
+                     for e in (0, 1))
     if dist.get_rank() == 0:
         saved = torch.load(first, weights_only=False)
+        parts = saved["optimizer_states"][0]["param_groups"][0]["abtrain"]
+        shared, own = (unpack(parts[key]) for key in ("shared", "worker1"))
+        out["checkpoint"] = {"keys": sorted(saved), "parts": sorted(parts), "method": shared["method"],
+                             "writer": own["writer"]["rank"], "t": shared["state"]["t"]}
+    # the resumed runs checkpoint as the uninterrupted one did
+    out["resumed"] = _fit("ab", ckpt_dir=dirs["resumed"], resume=first, **AB)
+    out["resumed_again"] = _fit("ab", ckpt_dir=dirs["resumed_again"], resume=second, **AB)
+    # rank 0's state alone: every worker goes on, the B-workers from what the workers share
+    out["plain"] = _fit("ab", ckpt_dir=dirs["plain"], gather_checkpoints=False, **AB)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        saved = torch.load(os.path.join(dirs["plain"], f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"), weights_only=False)
         method = saved["optimizer_states"][0]["abtrain"]
-        out["checkpoint"] = {"keys": sorted(saved), "method": method["method"], "writer": method["writer"]["rank"],
-                             "t": method["state"]["t"]}
-    out["resumed"] = _fit("ab", resume=first, **AB)
-    out["resumed_again"] = _fit("ab", resume=second, **AB)
+        out["plain_checkpoint"] = {"method": method["method"], "writer": method["writer"]["rank"],
+                                   "t": method["state"]["t"]}
+    out["plain_again"] = _fit("ab", ckpt_dir=dirs["again"], gather_checkpoints=False, **AB,
+                              resume=os.path.join(dirs["plain"], f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"))
     out["own"] = _own_loop()
     out["ddp"] = _fit("ddp")
     out["others"] = {name: _fit(name, **options) for name, (options, _) in OTHERS.items()}
@@ -244,9 +260,21 @@ def test_clipping_sees_the_averaged_gradient(world):
         assert len({r["ab"]["norms"][step][0] for r in same}) == 1, (step, phase)
 
 
+def _without_checkpoints(rows: dict[tuple, Any]) -> dict[tuple, Any]:
+    return {key: row for key, row in rows.items() if key[5] != "checkpoint"}
+
+
 def test_lightning_sends_and_computes_what_the_own_loop_does(world):
     for r in world:
-        assert r["ab"]["rows"] == r["own"]["rows"]
+        # the own loop takes no checkpoint; Lightning's gathers the workers' parts to rank 0 at each (3 epochs: 3
+        # times): an all-gather of the parts' lengths (8 bytes each), then a gather of the parts
+        assert _without_checkpoints(r["ab"]["rows"]) == r["own"]["rows"]
+        gathers = {key[0]: row for key, row in r["ab"]["rows"].items() if key[5] == "checkpoint"}
+        assert sorted(gathers) == ["all_gather", "gather"]
+        assert gathers["all_gather"] == (3, 3 * 8, wire_bytes("all_gather", 3 * 8, WORLD))
+        calls, payload, wire = gathers["gather"]
+        assert calls == 3 and wire == wire_bytes("gather", payload, WORLD)
+        assert r["plain"]["rows"] == r["own"]["rows"]  # gather_checkpoints=False sends nothing at checkpoints
         assert all(torch.equal(r["ab"]["export"][k], r["own"]["export"][k]) for k in r["own"]["export"])
 
 
@@ -291,24 +319,40 @@ def test_validation_between_micro_batches_is_refused(world):
         assert r["refused"].startswith("validation fell between two micro-batches of one optimizer step")
 
 
-def test_rank0s_checkpoint_resumes_every_worker(world):
-    # Lightning's file as rank 0 writes it: one model and optimizer, the method's state in the optimizer's
+def test_rank0s_checkpoint_resumes_every_worker_exactly(world):
+    # Lightning's file as rank 0 writes it: one model and optimizer, the method's state in the optimizer's, with
+    # every worker's own part
     saved = world[0]["checkpoint"]
-    assert "abtrain" not in saved["keys"] and (saved["method"], saved["writer"], saved["t"]) == ("ab", 0, 6)
-    # from the warm-up, where the workers hold one state: the uninterrupted run, bit for bit
-    for r in world:
-        assert r["resumed"]["start_step"] == STEPS_PER_EPOCH and not r["resumed"]["gives_up"]
-        assert r["resumed"]["t"] == r["ab"]["t"] == STEPS
-        assert r["resumed"]["ranks"] == r["ab"]["ranks"]
-        assert r["resumed"]["rows"] == r["ab"]["rows"]
-        assert all(torch.equal(r["resumed"]["export"][k], r["ab"]["export"][k]) for k in r["ab"]["export"])
+    assert "abtrain" not in saved["keys"] and (saved["method"], saved["writer"], saved["t"]) == ("ab", 1, 6)
+    assert saved["parts"] == ["shared"] + [f"worker{r}" for r in range(WORLD)]
+    # from the warm-up, where the workers hold one state, and right after a decomposition, where the groups hold
+    # their own: the uninterrupted run, bit for bit, and nothing said
+    for way, start in (("resumed", STEPS_PER_EPOCH), ("resumed_again", 2 * STEPS_PER_EPOCH)):
+        for r in world:
+            run = r[way]
+            assert run["start_step"] == start and not run["gives_up"], way
+            assert run["t"] == r["ab"]["t"] == STEPS
+            assert run["ranks"] == r["ab"]["ranks"]
+            # the same bytes, and every checkpoint's gather but that of the checkpoint it resumed from (a
+            # checkpoint's state is taken before its own gather)
+            assert _without_checkpoints(run["rows"]) == _without_checkpoints(r["ab"]["rows"])
+            assert {k: v[0] for k, v in run["rows"].items() if k not in _without_checkpoints(run["rows"])} == {
+                k: EPOCHS - 1 for k in r["ab"]["rows"] if k[5] == "checkpoint"}
+            assert all(torch.equal(run["export"][k], r["ab"]["export"][k]) for k in r["ab"]["export"]), way
+
+
+def test_rank0s_state_alone_resumes_every_worker(world):
+    saved = world[0]["plain_checkpoint"]
+    assert (saved["method"], saved["writer"], saved["t"]) == ("ab", 0, 6)
     # right after a decomposition: every worker goes on, rank 0 says what the B-workers give up, one model at the end
-    runs = [r["resumed_again"] for r in world]
+    runs = [r["plain_again"] for r in world]
     assert len(runs[0]["gives_up"]) == 1 and "the B-groups' optimizer state of B" in runs[0]["gives_up"][0]
     for run in runs:
         assert run["start_step"] == 2 * STEPS_PER_EPOCH and run["t"] == STEPS
         assert all(torch.equal(run["export"][k], runs[0]["export"][k]) for k in runs[0]["export"])
     assert not any(run["gives_up"] for run in runs[1:])
+    # and it is another run than the uninterrupted one (the B-workers' optimizer state was rebuilt)
+    assert any(not torch.equal(runs[0]["export"][k], world[0]["plain"]["export"][k]) for k in runs[0]["export"])
 
 
 def test_the_strategy_refuses_what_it_cannot_run(tmp_path):

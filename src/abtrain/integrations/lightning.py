@@ -17,9 +17,12 @@ The user's page is ``docs/lightning.md``. What the strategy does, in the order L
 * validation during fit: ``method.consensus()`` first, so every worker evaluates one model.
 * ``on_train_end``: ``method.detach()`` (the last sync or average) and ``consensus()``; rank 0 says
   the bytes sent by phase. ``teardown``: ``method.close()``.
-* checkpoints: Lightning's own, written by rank 0; the method's state travels in the optimizer's
-  (``optimizer_states[0]["abtrain"]``), and on resume every worker loads it after the optimizer's: exactly
-  where the workers agree, else from what they share (:meth:`abtrain.Method.restore`).
+* checkpoints: Lightning's own, written by rank 0; the method's state travels in the optimizer's. Lightning
+  asks every worker for the optimizer's state (``optimizer_state``) when it checkpoints, and the strategy
+  first calls ``method.gather_state()`` there (``gather_checkpoints=True``, the default), so rank 0's file holds
+  every worker's own part and each worker resumes its own, exactly. Without it the file holds rank 0's
+  (``optimizer_states[0]["abtrain"]``) and a worker that did not write it resumes from what the workers share
+  (:meth:`abtrain.Method.restore`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from ..api import setup as setup_method
 from ..methods import Method, registry
+from ..methods import resume
 from ..methods.resume import STATE_KEY
 from ..methods.summary import ddp_equivalent, human_bytes
 
@@ -64,7 +68,11 @@ class AbtrainStrategy(DDPStrategy):
 
     ``AbtrainStrategy("ab", warmup_steps=20)``: ``method`` and ``options`` are those of
     :func:`abtrain.setup` (for ``ab`` the fields of :class:`abtrain.ABConfig`); ``total_steps``
-    defaults to the trainer's ``estimated_stepping_batches``. The keyword arguments Lightning's
+    defaults to the trainer's ``estimated_stepping_batches``. ``gather_checkpoints``: Lightning's checkpoint
+    (written by rank 0) holds every worker's own part of the method's state (``method.gather_state()`` when
+    Lightning asks each worker for its optimizer's state), so that every worker resumes exactly; False keeps
+    rank 0's state alone (a smaller file, no bytes sent at checkpoints; a worker that did not write it resumes
+    from what the workers share). The keyword arguments Lightning's
     :class:`~pytorch_lightning.strategies.DDPStrategy` takes for its launcher and process group
     (``start_method``, ``process_group_backend``, ``timeout``, ...) are accepted too.
     After ``trainer.fit``, :attr:`method` holds the method: ``method.comm.ledger`` (every byte
@@ -78,6 +86,7 @@ class AbtrainStrategy(DDPStrategy):
         total_steps: int | None = None,
         group_size: int | None = None,
         quiet: bool = False,
+        gather_checkpoints: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -99,6 +108,7 @@ class AbtrainStrategy(DDPStrategy):
         self.total_steps = total_steps
         self.group_size = group_size
         self.quiet = quiet
+        self.gather_checkpoints = gather_checkpoints
         self.options = options
         #: the abtrain method, built when ``trainer.fit`` sets the strategy up
         self.method: Method | None = None
@@ -213,6 +223,13 @@ class AbtrainStrategy(DDPStrategy):
         super().teardown()
 
     # -- checkpoints ---------------------------------------------------------------------------------
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Lightning asks every worker for it when it checkpoints (rank 0 writes the file): every worker's own part
+        of the method's state goes to rank 0 first, whose optimizer state then carries them all."""
+        if self.gather_checkpoints and self.method is not None and self.method.attached:
+            self.method.gather_state()
+        return super().optimizer_state(optimizer)
+
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
                         weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -226,14 +243,30 @@ class AbtrainStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """The optimizer's state, then the method's that travels in it (the method attaches later, when training
         starts): rank 0's file resumes every worker (:meth:`abtrain.Method.restore`)."""
-        super().load_optimizer_state_dict(checkpoint)
         saved = self._method_state(checkpoint)
+        states = list(checkpoint.get("optimizer_states") or [])
+        if self.method is not None and not self._closed and states and _gathered(states[0]):
+            # every worker's own part (gather_state()): this worker's, with what the workers share
+            states[0], saved = resume.from_dcp(self.method, states[0])
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)
         if self.method is not None and not self._closed and saved is not None:
             self.method.restore(saved, self.optimizers[0])
 
     @staticmethod
     def _method_state(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The method's state in the checkpoint's first optimizer state (saved while the method was attached)."""
+        """The method's state in the checkpoint's first optimizer state (saved while the method was attached);
+        of a file that holds every worker's part, what they share (the method's name, the schedule)."""
         states = checkpoint.get("optimizer_states") or [{}]
-        saved = states[0].get(STATE_KEY) if isinstance(states[0], Mapping) else None
+        if not isinstance(states[0], Mapping):
+            return None
+        if _gathered(states[0]):
+            return resume.unpack(states[0]["param_groups"][0][STATE_KEY][resume.SHARED])
+        saved = states[0].get(STATE_KEY)
         return saved if isinstance(saved, dict) else None
+
+
+def _gathered(state: Mapping[str, Any]) -> bool:
+    """An optimizer state that carries every worker's own part of the method's state (``gather_state()``)."""
+    groups = state.get("param_groups")
+    return bool(groups) and isinstance(groups[0], Mapping) and STATE_KEY in groups[0]
