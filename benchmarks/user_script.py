@@ -145,8 +145,12 @@ if done == args.stop_after:
     if rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": done},
                    args.ckpt)
-        sent = method.comm.ledger.summary()["by_phase"].get("checkpoint", {}).get("wire_bytes", 0.0) if method else 0
-        print(json.dumps({"checkpoint_bytes": os.path.getsize(args.ckpt), "gather_wire_bytes": sent}))
+    # what each worker sent for the checkpoint (the ledger's phase "checkpoint"; gather_state() only)
+    sent = method.comm.ledger.summary()["by_phase"].get("checkpoint", {}).get("wire_bytes", 0.0) if method else 0.0
+    every: list[float] = [0.0] * world
+    dist.all_gather_object(every, sent)
+    if rank == 0:
+        print(json.dumps({"checkpoint_bytes": os.path.getsize(args.ckpt), "checkpoint_wire_bytes": every}))
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(0)

@@ -16,7 +16,7 @@ def test_wire_formulas(p):
     assert wire_bytes("broadcast", b, p) == pytest.approx((p - 1) / p * b)
     assert wire_bytes("all_gather", b, p) == pytest.approx((p - 1) * b)
     assert wire_bytes("all_to_all", b, p) == pytest.approx((p - 1) / p * b)
-    assert wire_bytes("gather", b, p) == pytest.approx((p - 1) / p * b)
+    assert wire_bytes("gather", b, p) == (b if p > 1 else 0)  # what this worker sends the root (which hands in nothing)
 
 
 def test_single_worker_sends_nothing():
@@ -146,24 +146,53 @@ def test_digest_tells_whether_every_worker_holds_the_same_tensors(differ):
         assert same is (differ is None) and calls == [("all_reduce", 32)]
 
 
-def test_gather_own_hands_rank_0_every_workers_bytes_and_counts_one_gather():
-    """Parts of different lengths reach rank 0 whole, in rank order; the others get None. The ledger: the
-    lengths' all-gather (8 bytes each), then one gather of the parts padded to the longest."""
+def test_gathered_parts_reach_rank_0_whole_with_each_distinct_tensor_sent_once():
+    """gather_parts: rank 0 gets every worker's part, each resolved to the tensors it held (copies: equal values
+    do not share storage); the others get None. Workers 0 and 1 hold one large tensor, 2 and 3 another (a group's
+    factors), each worker a small one of its own: rank 1 and rank 3 send only their small ones, rank 2 its large
+    one, rank 0 nothing. The ledger: the digests' lengths and the digests (all-gathers), the parts' lengths, the
+    gather, whose wire bytes are what each worker sent."""
     from abtrain.comm.recording import LocalWorld
-    from abtrain.methods.resume import gather_own
+    from abtrain.methods.resume import TENSORS, _resolved, gather_parts, unpack, worker_key
 
     world = LocalWorld(4)
-    parts = [bytes(range(r, r + 10 * r + 1)) for r in range(4)]  # 1, 11, 21, 31 bytes
+    large = [torch.arange(100_000, dtype=torch.float32) + g for g in (0, 1)]  # 400 kB each
+
+    def part(rank):
+        return {"writer": {"rank": rank}, "optimizer": {0: {"exp_avg": large[rank // 2].clone(), "step": 3}},
+                "state": {"errors": [torch.full((4,), float(rank)), torch.zeros(4)], "role": "AB"[rank // 2]},
+                "model": {"bias": torch.zeros(4)}}
 
     def worker(comm):
-        got = gather_own(comm, world.group, parts[comm.rank], torch.device("cpu"))
-        rows = {key[0]: (row.calls, row.payload_bytes, row.wire_bytes) for key, row in comm.ledger.rows.items()}
+        got = gather_parts(comm, world.group, part(comm.rank), torch.device("cpu"))
+        rows: dict[str, list[int | float]] = {}
+        for key, row in comm.ledger.rows.items():
+            total = rows.setdefault(key[0], [0, 0, 0.0])
+            total[0] += row.calls
+            total[1] += row.payload_bytes
+            total[2] += row.wire_bytes
         return got, rows
 
-    for rank, (got, rows) in enumerate(world.run(worker)):
-        assert got == (parts if rank == 0 else None)
-        assert rows == {"all_gather": (1, 8, wire_bytes("all_gather", 8, 4)),
-                        "gather": (1, 31, wire_bytes("gather", 31, 4))}
+    results = world.run(worker)
+    got = results[0][0]
+    assert sorted(got) == [TENSORS] + [worker_key(r) for r in range(4)]
+    tensors = unpack(got[TENSORS])
+    assert len(tensors) == 2 + 3 + 1  # the two large, ranks 1-3's own small ones, the zeros (rank 0's own, every
+    # worker's second error and bias)
+    for rank in range(4):
+        back, want = _resolved(unpack(got[worker_key(rank)]), tensors), part(rank)
+        assert back["writer"] == want["writer"] and back["state"]["role"] == want["state"]["role"]
+        assert back["optimizer"][0]["step"] == 3 and torch.equal(back["optimizer"][0]["exp_avg"], large[rank // 2])
+        assert all(torch.equal(a, b) for a, b in zip(back["state"]["errors"], want["state"]["errors"]))
+        assert back["state"]["errors"][1].data_ptr() != back["model"]["bias"].data_ptr()  # equal, not shared
+    sent = []
+    for rank, (result, rows) in enumerate(results):
+        assert (result is None) == (rank != 0)
+        assert sorted(rows) == ["all_gather", "gather"] and rows["all_gather"][0] == 3
+        calls, payload, wire = rows["gather"]
+        assert calls == 1 and wire == payload == wire_bytes("gather", payload, 4)
+        sent.append(payload)
+    assert sent[0] == 0 and sent[1] < 10_000 and sent[3] < 10_000 and 400_000 < sent[2] < 410_000
 
 
 def test_ledger_peak_step_counts_global_traffic_between_step_ends():

@@ -267,13 +267,13 @@ def _without_checkpoints(rows: dict[tuple, Any]) -> dict[tuple, Any]:
 def test_lightning_sends_and_computes_what_the_own_loop_does(world):
     for r in world:
         # the own loop takes no checkpoint; Lightning's gathers the workers' parts to rank 0 at each (3 epochs: 3
-        # times): an all-gather of the parts' lengths (8 bytes each), then a gather of the parts
+        # times): all-gathers of the tensors' digests and of lengths, then a gather of what rank 0 lacks
         assert _without_checkpoints(r["ab"]["rows"]) == r["own"]["rows"]
-        gathers = {key[0]: row for key, row in r["ab"]["rows"].items() if key[5] == "checkpoint"}
-        assert sorted(gathers) == ["all_gather", "gather"]
-        assert gathers["all_gather"] == (3, 3 * 8, wire_bytes("all_gather", 3 * 8, WORLD))
-        calls, payload, wire = gathers["gather"]
-        assert calls == 3 and wire == wire_bytes("gather", payload, WORLD)
+        gathers = {key: row for key, row in r["ab"]["rows"].items() if key[5] == "checkpoint"}
+        assert {key[0] for key in gathers} == {"all_gather", "gather"}
+        assert sum(calls for key, (calls, _, _) in gathers.items() if key[0] == "all_gather") == 3 * 3
+        (calls, payload, wire), = [row for key, row in gathers.items() if key[0] == "gather"]
+        assert calls == 3 and wire == wire_bytes("gather", payload, WORLD) and (payload == 0) == (r is world[0])
         assert r["plain"]["rows"] == r["own"]["rows"]  # gather_checkpoints=False sends nothing at checkpoints
         assert all(torch.equal(r["ab"]["export"][k], r["own"]["export"][k]) for k in r["own"]["export"])
 
@@ -324,7 +324,7 @@ def test_rank0s_checkpoint_resumes_every_worker_exactly(world):
     # every worker's own part
     saved = world[0]["checkpoint"]
     assert "abtrain" not in saved["keys"] and (saved["method"], saved["writer"], saved["t"]) == ("ab", 1, 6)
-    assert saved["parts"] == ["shared"] + [f"worker{r}" for r in range(WORLD)]
+    assert saved["parts"] == ["shared", "tensors"] + [f"worker{r}" for r in range(WORLD)]
     # from the warm-up, where the workers hold one state, and right after a decomposition, where the groups hold
     # their own: the uninterrupted run, bit for bit, and nothing said
     for way, start in (("resumed", STEPS_PER_EPOCH), ("resumed_again", 2 * STEPS_PER_EPOCH)):
@@ -337,7 +337,7 @@ def test_rank0s_checkpoint_resumes_every_worker_exactly(world):
             # checkpoint's state is taken before its own gather)
             assert _without_checkpoints(run["rows"]) == _without_checkpoints(r["ab"]["rows"])
             assert {k: v[0] for k, v in run["rows"].items() if k not in _without_checkpoints(run["rows"])} == {
-                k: EPOCHS - 1 for k in r["ab"]["rows"] if k[5] == "checkpoint"}
+                k: calls * (EPOCHS - 1) // EPOCHS for k, (calls, _, _) in r["ab"]["rows"].items() if k[5] == "checkpoint"}
             assert all(torch.equal(run["export"][k], r["ab"]["export"][k]) for k in r["ab"]["export"]), way
 
 

@@ -142,15 +142,31 @@ class Communicator:
             dist.all_gather(out, tensor, group=group.pg)
         return out
 
-    def gather(self, tensor: torch.Tensor, group: Group, dst: int = 0) -> list[torch.Tensor] | None:
-        """Every member's ``tensor`` (one shape) to global rank ``dst`` (which must belong to ``group``): the list in
-        group-rank order on ``dst``, None elsewhere."""
+    def gather(self, tensor: torch.Tensor, group: Group, sizes: Sequence[int], dst: int = 0
+               ) -> list[torch.Tensor] | None:
+        """Every member's 1-D ``tensor`` (member i's of ``sizes[i]`` elements, one dtype) to global rank ``dst``
+        (which must belong to ``group``): the list in group-rank order on ``dst``, None elsewhere. Each other member
+        sends its tensor to ``dst`` only, at its own size (an all-to-all with uneven splits); ``dst``'s own stays
+        where it is, and ``dst`` sends nothing."""
         if group.size <= 1:
             return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(group.size)] if dist.get_rank() == dst else None
+        root = group.ranks.index(dst) if group.ranks else dst
+        me = self.rank_in(group)
+        none = [0] * group.size
+        if me == root:
+            sent = tensor[:0]
+            out = torch.empty(sum(sizes) - sizes[root], dtype=tensor.dtype, device=tensor.device)
+            splits = [0 if i == root else n for i, n in enumerate(sizes)]
+            with self._timed("gather", group, sent):
+                dist.all_to_all_single(out, sent, output_split_sizes=splits, input_split_sizes=none, group=group.pg)
+            parts = list(out.split(splits))
+            parts[root] = tensor
+            return parts
+        splits = [tensor.numel() if i == root else 0 for i in range(group.size)]
         with self._timed("gather", group, tensor):
-            dist.gather(tensor, out, dst=dst, group=group.pg)
-        return out
+            dist.all_to_all_single(tensor[:0], tensor, output_split_sizes=none, input_split_sizes=splits,
+                                   group=group.pg)
+        return None
 
     def all_to_all(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         """Send the j-th of ``group.size`` equal chunks of ``tensor`` to member j; return what each member sent

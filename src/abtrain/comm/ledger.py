@@ -15,9 +15,9 @@ reduce_scatter     (p-1)/p * b            ring: b is the full input tensor
 all_gather         (p-1) * b              ring: b is one worker's contribution
 broadcast          (p-1)/p * b            pipelined ring: the p-1 receivers' b,
                                           spread over p senders
-gather             (p-1)/p * b            to one root: the p-1 others' b, as a
-                                          mean over the p workers (b is one
-                                          worker's contribution)
+gather             b                      to one root: b is what this worker
+                                          sends it (the root hands in nothing:
+                                          its own part stays)
 all_to_all         (p-1)/p * b            b is the full input tensor, split in p
                                           equal chunks: chunk j goes to member j,
                                           the worker's own chunk stays
@@ -49,7 +49,9 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (p - 1) / p * payload_bytes
-    if op in ("reduce_scatter", "broadcast", "gather", "all_to_all"):
+    if op == "gather":
+        return float(payload_bytes)
+    if op in ("reduce_scatter", "broadcast", "all_to_all"):
         return (p - 1) / p * payload_bytes
     if op == "all_gather":
         return float((p - 1) * payload_bytes)

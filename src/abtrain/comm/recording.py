@@ -20,7 +20,7 @@ model as on a real network, and in :attr:`RecordingCommunicator.calls`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -149,10 +149,16 @@ class RecordingCommunicator(Communicator):
             return [tensor]
         return self._gather("all_gather", tensor, group)
 
-    def gather(self, tensor: torch.Tensor, group: Group, dst: int = 0) -> list[torch.Tensor] | None:
+    def gather(self, tensor: torch.Tensor, group: Group, sizes: Sequence[int], dst: int = 0
+               ) -> list[torch.Tensor] | None:
         if group.size <= 1:
             return [tensor]
-        gathered = self._gather("gather", tensor, group)
+        if self.rank == dst:  # the root sends nothing: its own stays
+            self.ledger.record("gather", group, tensor[:0], 0.0)
+            self.calls.append(Call("gather", group.name, group.size, tensor.dtype, 0, 0))
+            gathered = self.world.exchange(self.rank, tensor)
+        else:
+            gathered = self._gather("gather", tensor, group)
         return gathered if self.rank == dst else None
 
     def all_to_all(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:

@@ -111,7 +111,7 @@ class LoopContract:
     _just_restored = False  # the method's state was restored since the last step (a model loaded now goes with it)
     _held_loaded = False  # a model state_dict whose placeholders wait for the optimizer's state (DCP's form)
     _resume_check: Any = None  # the forward pre-hook that checks, at the next training forward, what was loaded
-    _gathered: dict[int, bytes] | None = None  # rank 0: every worker's own part, gathered at this step
+    _gathered: dict[str, bytes] | None = None  # rank 0: every worker's own part, gathered at this step
 
     name: str
     averages_gradients: bool
@@ -188,18 +188,19 @@ class LoopContract:
         the state (what per-rank files and torch.distributed.checkpoint keep per worker: AB-training's factors,
         their optimizer state and error memories, DiLoCo's local model...) goes to rank 0, whose optimizer
         state_dict of this step then carries every worker's, so that rank 0's file resumes each worker exactly.
-        Each worker sends its own part once, to rank 0 (a gather, after an all-gather of the parts' lengths;
-        counted in the ledger under the phase ``checkpoint``); rank 0 keeps them until the next step. Where the
-        workers hold one state it is not needed (rank 0's file is exact without it) and costs only those bytes."""
+        Rank 0 receives each distinct tensor of the parts once (the workers of a group hold the same factors and
+        optimizer state: one of them sends them), after the workers exchanged their tensors' digests; counted in
+        the ledger under the phase ``checkpoint`` (:func:`~.resume.gather_parts`). Rank 0 keeps them until the
+        next step; its file holds each distinct tensor once. Where the workers hold one state it is not needed
+        (rank 0's file is exact without it) and costs only the digests and the parts' small entries."""
         if self._attached is None:
             raise ValueError("gather_state() needs the optimizer attached: call method.attach(optimizer) first")
         optimizer = self._attached[0]
         self._gathered = None
-        blob = resume.own_part(self, optimizer)
+        own = resume.own_part(self, optimizer)
         with self.comm.ledger.in_phase("checkpoint"):
-            blobs = resume.gather_own(self.comm, self.topo.world, blob, self.comm.device)
-        if blobs is not None:  # rank 0
-            self._gathered = dict(enumerate(blobs))  # dropped at the step's end (Method._post_step)
+            self._gathered = resume.gather_parts(self.comm, self.topo.world, own, self.comm.device)
+        # rank 0 holds them until the step's end (Method._post_step); the others None
 
     def adopt_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, writer: Writer) -> None:
         """Load a state another worker wrote (rank 0's checkpoint, loaded by every worker), after the model's and

@@ -10,7 +10,7 @@ checkpoint. Three ways of taking one end in the same code:
   it (:meth:`~abtrain.methods.loop.LoopContract.adopt_state`); rank 0 says in one line what that gives up
   (:meth:`~abtrain.methods.loop.LoopContract.given_up`). After every worker called
   :meth:`~abtrain.methods.loop.LoopContract.gather_state`, rank 0's optimizer state_dict of that step takes
-  DCP's form below with every worker's own part (:func:`gather_own`), and each worker resumes its own;
+  DCP's form below with every worker's own part (:func:`gather_parts`), and each worker resumes its own;
 * **torch.distributed.checkpoint**: DCP saves a key held by every rank once, from one of them, and loads
   into tensors of the shapes it is handed. Asked from inside DCP (:func:`dcp_call`), the state_dicts take
   another form: what differs between workers, and what changes shape (AB-training's factors), leaves the
@@ -21,6 +21,7 @@ checkpoint. Three ways of taking one end in the same code:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import sys
 from collections.abc import Iterable
@@ -205,37 +206,100 @@ def split_parts(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, 
 
 
 def to_dcp(method: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], section: dict[str, Any],
-           workers: dict[int, bytes] | None = None) -> None:
+           workers: dict[str, bytes] | None = None) -> None:
     """``state`` (the optimizer's state_dict, ``section`` the method's part of it) in the form DCP saves: the
     two parts of :func:`split_parts` as two byte strings in the first parameter group, :data:`SHARED` and this
     worker's :func:`worker_key` (the per-parameter entries stay, empty: torch's ``set_state_dict`` wants one for
-    each trained parameter). ``workers``: every worker's own byte string by rank (:func:`gather_own`), in place
-    of this worker's."""
+    each trained parameter). ``workers``: every worker's own byte string by its key, with the tensors they
+    refer to (:func:`gather_parts`), in place of this worker's."""
     shared, own = split_parts(method, optimizer, state, section)
     state["state"] = {pos: {} for pos in state["state"]}
-    blobs = {worker_key(r): blob for r, blob in workers.items()} if workers else {
-        worker_key(method.topo.rank): pack(own)}
+    blobs = workers or {worker_key(method.topo.rank): pack(own)}
     state["param_groups"][0][STATE_KEY] = {SHARED: pack(shared), **blobs}
 
 
-def own_part(method: Any, optimizer: torch.optim.Optimizer) -> bytes:
-    """This worker's own part of the state (what a per-rank file or DCP keeps per worker), packed."""
+def own_part(method: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This worker's own part of the state (what a per-rank file or DCP keeps per worker)."""
     state = optimizer.state_dict()
     section = state.pop(STATE_KEY)
-    return pack(split_parts(method, optimizer, state, section)[1])
+    return split_parts(method, optimizer, state, section)[1]
 
 
-def gather_own(comm: Any, group: Any, blob: bytes, device: torch.device, dst: int = 0) -> list[bytes] | None:
-    """Every member's ``blob`` on global rank ``dst``, in rank order; None elsewhere. An all-gather of the
-    lengths (8 bytes each), then a gather of the blobs padded to the longest (gloo gathers tensors of one
-    size): each worker sends its part once, to ``dst`` only."""
-    mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    lengths = [int(n) for n in comm.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device),
-                                               group)]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[:mine.numel()] = mine.to(device)
-    parts = comm.gather(padded, group, dst=dst)
-    return None if parts is None else [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(parts, lengths)]
+# -- every worker's own part in rank 0's file (gather_state) --------------------------------------------------------
+TENSORS = "tensors"  # the key, beside the workers', of the tensors their parts share in a gathered file
+_REF = "abtrain-tensor:"  # a worker's part refers to one of those tensors by this prefix and its digest
+
+
+def _digest(t: Tensor) -> str:
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    data = flat.view(torch.uint8) if flat.numel() else flat
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(data.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _by_reference(value: Any, tensors: dict[str, Tensor]) -> Any:
+    """``value`` with each tensor replaced by a reference to it, the tensors put in ``tensors`` by digest."""
+    if torch.is_tensor(value):
+        key = _digest(value)
+        tensors.setdefault(key, value)
+        return _REF + key
+    if isinstance(value, dict):
+        return {k: _by_reference(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_by_reference(v, tensors) for v in value)
+    return value
+
+
+def _resolved(value: Any, tensors: dict[str, Tensor]) -> Any:
+    """The inverse of :func:`_by_reference`: each reference a tensor of its own (a copy: two entries that held
+    equal values must not share storage)."""
+    if isinstance(value, str) and value.startswith(_REF):
+        return tensors[value[len(_REF):]].clone()
+    if isinstance(value, dict):
+        return {k: _resolved(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolved(v, tensors) for v in value)
+    return value
+
+
+def _bytes_of(comm: Any, group: Any, blob: bytes, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """``blob`` as a tensor on ``device`` and every member's length (an all-gather of 8 bytes each)."""
+    mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+    lengths = comm.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), group)
+    return mine.to(device), [int(n) for n in lengths]
+
+
+def gather_parts(comm: Any, group: Any, own: dict[str, Any], device: torch.device, dst: int = 0
+                 ) -> dict[str, bytes] | None:
+    """Every member's ``own`` part on global rank ``dst``, None elsewhere: ``{"worker<r>": part, ...,
+    "tensors": ...}``, each part with its tensors by reference into the tensors the parts hold (once each:
+    the workers of a group hold the same factors and optimizer state). Each worker first sends every other
+    the digests of its tensors (an all-gather, a few bytes per tensor), then sends ``dst`` only the tensors
+    no worker before it holds (``dst`` sends none): what reaches ``dst`` is each distinct tensor once."""
+    tensors: dict[str, Tensor] = {}
+    part = pack(_by_reference(own, tensors))
+    index, lengths = _bytes_of(comm, group, pack(sorted(tensors)), device)
+    indices = comm.all_gather(torch.nn.functional.pad(index, (0, max(lengths) - index.numel())), group)
+    digests = [unpack(bytes(t[:n].cpu().numpy().tobytes())) for t, n in zip(indices, lengths)]
+    ranks = list(group.ranks) if group.ranks else list(range(group.size))
+    me, root = comm.rank_in(group), ranks.index(dst)
+    held = set(digests[root])
+    for i in range(me):
+        if i != root:
+            held.update(digests[i])
+    mine = {} if me == root else {key: value for key, value in tensors.items() if key not in held}
+    blob, sizes = _bytes_of(comm, group, pack({"part": part, TENSORS: mine}), device)
+    received = comm.gather(blob, group, sizes, dst=dst)
+    if received is None:
+        return None
+    parts, pool = {worker_key(root): part}, dict(tensors)
+    for i, t in enumerate(received):
+        if i != root:
+            sent = unpack(bytes(t.cpu().numpy().tobytes()))
+            parts[worker_key(i)] = sent["part"]
+            pool.update(sent[TENSORS])
+    return {**{worker_key(i): parts[worker_key(i)] for i in range(len(received))}, TENSORS: pack(pool)}
 
 
 def dcp_template(method: Any, state: dict[str, Any]) -> None:
@@ -262,13 +326,15 @@ def from_dcp(method: Any, state: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     groups = [dict(g) for g in state["param_groups"]]
     blobs = groups[0].pop(STATE_KEY)
     own_blob = blobs.get(worker_key(method.topo.rank)) or next(
-        (v for k, v in blobs.items() if k != SHARED and v), b"")
+        (v for k, v in blobs.items() if k.startswith("worker") and v), b"")
     if not blobs.get(SHARED) or not own_blob:
         raise ValueError("the optimizer's state_dict holds the keys of abtrain's state under torch.distributed."
                          "checkpoint but not their values: load it with torch.distributed.checkpoint.load")
     if all(worker_key(r) in blobs for r in range(method.topo.world_size)):
         method._dcp_every_worker = True  # each worker its own part: nobody adopts another's, nothing to say
     shared, own = unpack(blobs[SHARED]), unpack(own_blob)
+    if blobs.get(TENSORS):  # gathered into rank 0's file: the part's tensors by reference
+        own = _resolved(own, unpack(blobs[TENSORS]))
     section = {**{k: v for k, v in shared.items() if k not in ("state", "optimizer", "model")},
                "writer": own["writer"], "state": merge_state(shared["state"], own["state"]), "ledger": own["ledger"]}
     keys = [k for g in groups for k in g["params"]]
