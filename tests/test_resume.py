@@ -67,11 +67,12 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train(name: str, ckpt: str, stop: int | None = None, resume: str | None = None) -> dict[str, Any]:
+def _train(name: str, ckpt: str, stop: int | None = None, resume: str | None = None, **options: Any
+           ) -> dict[str, Any]:
     """One run of ``name``: from the start, or resumed the way ``resume`` names ("rank0", "dcp", "helpers")
     from the checkpoints of ``ckpt``; stopped after ``stop`` steps (all three saved), else to the end."""
     torch.manual_seed(0)
-    method = abtrain.setup(name, total_steps=STEPS, quiet=True, **OPTIONS.get(name, {}))
+    method = abtrain.setup(name, total_steps=STEPS, quiet=True, **{**OPTIONS.get(name, {}), **options})
     rank = method.topo.rank
     model = method.prepare(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0 if name == "demo" else 0.9)
@@ -209,10 +210,19 @@ def _world(phase: str, ckpt_root: str) -> dict[str, Any]:
     return out
 
 
+def _two_workers(ckpt_root: str) -> dict[str, Any]:
+    """AB-training resumed by 2 workers from the 4 workers' gathered file (another layout)."""
+    dist.init_process_group("gloo")
+    out = _train("ab", os.path.join(ckpt_root, f"ab-{STOP}"), resume="gathered", group_size=1)
+    dist.destroy_process_group()
+    return out
+
+
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("resume"))
-    return {phase: run_world(_world, 4, phase, root) for phase in ("whole", "stop", "resume")}
+    out = {phase: run_world(_world, 4, phase, root) for phase in ("whole", "stop", "resume")}
+    return {**out, "two": run_world(_two_workers, 2, root)}
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -245,6 +255,16 @@ def test_rank0_checkpoint_of_ab_says_what_it_gives_up(worlds):
     assert line[0].startswith("ab state of step 11, saved by rank 0 of 4 workers in groups of 2: a worker "
                               "resuming from it in place of its own gives up ")
     assert "the B-groups' optimizer state of B" in line[0]
+
+
+def test_gathered_file_in_another_layout_resumes_and_says_what_it_gives_up(worlds):
+    """Every worker's part is in the file, but none is a part of a worker of this layout: each adopts the state of
+    the worker of its rank there, and rank 0 says in one line what that gives up."""
+    runs = worlds["two"]
+    said = [[x for x in run["lines"] if "a worker resuming from it" in x] for run in runs]
+    assert len(said[0]) == 1 and not said[1], said
+    assert said[0][0].startswith("ab state of step 11, saved by rank 0 of 4 workers in groups of 2: ")
+    assert all(run["steps"] == STEPS for run in runs) and _equal(runs[0]["weights"], runs[1]["weights"])
 
 
 def test_ab_right_after_its_first_decomposition_resumes_every_worker_exactly(worlds):

@@ -301,7 +301,7 @@ class LoopContract:
         self._awaiting_state = self._held_loaded = False
         self._just_restored = True
         self._resumed()
-        if phrases and not self._dcp_every_worker:
+        if phrases and not (self._dcp_every_worker and writer.same_layout(self.topo)):  # a worker adopts another's
             self.say(resume.resume_line(self.name, self.steps, writer, phrases))
         self._dcp_every_worker = False
 
