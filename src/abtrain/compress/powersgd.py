@@ -84,8 +84,7 @@ class PowerSGDReducer(Reducer):
         self.epsilon = orthogonalization_epsilon
         self.rng = np.random.RandomState(seed)
         self.errors: dict[str, torch.Tensor] = {}
-        self.qs: dict[str, torch.Tensor] = {}
-        self.seen: set[tuple[str, ...]] = set()  # sets of tensors whose Qs were drawn
+        self.qs: dict[str, torch.Tensor] = {}  # each tensor's last Q (warm start)
         self.numel_before = 0  # elements handed to the compressed reductions
         self.numel_after = 0  # elements they sent: uncompressed tensors, every P and Q
 
@@ -146,13 +145,15 @@ class PowerSGDReducer(Reducer):
             qs.append(q_flat[q_at:q_at + m.shape[2] * r].view(1, m.shape[2], r))
             p_at += m.shape[1] * r
             q_at += m.shape[2] * r
-        key = tuple(name for name, _ in grads)
-        if self.warm_start and key in self.seen:
+        # Warm start where every tensor of the call has its Q of the last call: by name, so that a call whose
+        # bucket holds the same tensors in another order (DDP's first step after a resume, before it orders its
+        # buckets again) starts from them too; the first call of a bucket draws them, as torch's hook does.
+        if self.warm_start and all(self.qs.get(name) is not None and self.qs[name].shape == q.shape
+                                   for (name, _, _), q in zip(low, qs)):
             for (name, _, _), q in zip(low, qs):
                 q.copy_(self.qs[name])
                 orthogonalize(q, self.epsilon)
         else:
-            self.seen.add(key)
             # A generator of its own (the global RNG stays untouched), seeded as torch's hook seeds the global one.
             gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
             for q in qs:
@@ -229,15 +230,14 @@ class PowerSGDReducer(Reducer):
     def state_dict(self) -> dict[str, Any]:
         # NumPy's RandomState as plain values and a tensor, loadable with torch.load(weights_only=True).
         kind, keys, pos, has_gauss, cached = self.rng.get_state()
-        return {"errors": dict(self.errors), "qs": dict(self.qs), "seen": [list(k) for k in sorted(self.seen)],
-                "numel_before": self.numel_before, "numel_after": self.numel_after,
+        return {"errors": dict(self.errors), "qs": dict(self.qs), "numel_before": self.numel_before,
+                "numel_after": self.numel_after,
                 "rng": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.errors = dict(state["errors"])
         self.qs = dict(state["qs"])
-        self.seen = {tuple(k) for k in state["seen"]}
         self.numel_before, self.numel_after = state["numel_before"], state["numel_after"]
         rng = state["rng"]
         self.rng.set_state((rng["kind"], rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"],
