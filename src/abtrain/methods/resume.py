@@ -231,10 +231,9 @@ _REF = "abtrain-tensor:"  # a worker's part refers to one of those tensors by th
 
 
 def _digest(t: Tensor) -> str:
-    flat = t.detach().reshape(-1).contiguous().cpu()
-    data = flat.view(torch.uint8) if flat.numel() else flat
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(data.numpy().tobytes())
+    if t.numel():
+        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -242,7 +241,9 @@ def _by_reference(value: Any, tensors: dict[str, Tensor]) -> Any:
     """``value`` with each tensor replaced by a reference to it, the tensors put in ``tensors`` by digest."""
     if torch.is_tensor(value):
         key = _digest(value)
-        tensors.setdefault(key, value)
+        if key not in tensors:  # a view of a larger buffer alone (torch.save would write the whole buffer)
+            whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            tensors[key] = value if whole else value.clone()
         return _REF + key
     if isinstance(value, dict):
         return {k: _by_reference(v, tensors) for k, v in value.items()}
