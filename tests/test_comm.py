@@ -161,7 +161,7 @@ def test_gathered_parts_reach_rank_0_whole_with_each_distinct_tensor_sent_once()
     def part(rank):
         return {"writer": {"rank": rank}, "optimizer": {0: {"exp_avg": large[rank // 2].clone(), "step": 3}},
                 "state": {"errors": [torch.full((4,), float(rank)), torch.zeros(4)], "role": "AB"[rank // 2]},
-                "model": {"bias": torch.zeros(4)}}
+                "model": {"bias": torch.zeros(4), "slice": torch.arange(100_000.0)[rank:rank + 4]}}  # a view: alone
 
     def worker(comm):
         got = gather_parts(comm, world.group, part(comm.rank), torch.device("cpu"))
@@ -177,14 +177,15 @@ def test_gathered_parts_reach_rank_0_whole_with_each_distinct_tensor_sent_once()
     got = results[0][0]
     assert sorted(got) == [TENSORS] + [worker_key(r) for r in range(4)]
     tensors = unpack(got[TENSORS])
-    assert len(tensors) == 2 + 3 + 1  # the two large, ranks 1-3's own small ones, the zeros (rank 0's own, every
-    # worker's second error and bias)
+    assert len(tensors) == 2 + 3 + 1 + 4  # the two large, ranks 1-3's own small ones, the zeros (rank 0's own,
+    # every worker's second error and bias), the four slices
     for rank in range(4):
         back, want = _resolved(unpack(got[worker_key(rank)]), tensors), part(rank)
         assert back["writer"] == want["writer"] and back["state"]["role"] == want["state"]["role"]
         assert back["optimizer"][0]["step"] == 3 and torch.equal(back["optimizer"][0]["exp_avg"], large[rank // 2])
         assert all(torch.equal(a, b) for a, b in zip(back["state"]["errors"], want["state"]["errors"]))
         assert back["state"]["errors"][1].data_ptr() != back["model"]["bias"].data_ptr()  # equal, not shared
+        assert torch.equal(back["model"]["slice"], want["model"]["slice"])
     sent = []
     for rank, (result, rows) in enumerate(results):
         assert (result is None) == (rank != 0)
