@@ -245,7 +245,7 @@ class AbtrainStrategy(DDPStrategy):
         starts): rank 0's file resumes every worker (:meth:`abtrain.Method.restore`)."""
         saved = self._method_state(checkpoint)
         states = list(checkpoint.get("optimizer_states") or [])
-        if self.method is not None and not self._closed and states and _gathered(states[0]):
+        if self.method is not None and not self._closed and states and resume.in_dcp_form(states[0]):
             # every worker's own part (gather_state()): this worker's, with what the workers share
             states[0], saved = resume.from_dcp(self.method, states[0])
             checkpoint = {**checkpoint, "optimizer_states": states}
@@ -260,13 +260,7 @@ class AbtrainStrategy(DDPStrategy):
         states = checkpoint.get("optimizer_states") or [{}]
         if not isinstance(states[0], Mapping):
             return None
-        if _gathered(states[0]):
-            return resume.unpack(states[0]["param_groups"][0][STATE_KEY][resume.SHARED])
+        if resume.in_dcp_form(states[0]):
+            return resume.shared_section(states[0])
         saved = states[0].get(STATE_KEY)
         return saved if isinstance(saved, dict) else None
-
-
-def _gathered(state: Mapping[str, Any]) -> bool:
-    """An optimizer state that carries every worker's own part of the method's state (``gather_state()``)."""
-    groups = state.get("param_groups")
-    return bool(groups) and isinstance(groups[0], Mapping) and STATE_KEY in groups[0]

@@ -269,8 +269,7 @@ class LoopContract:
     def _take_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         state = dict(state)  # the caller's dict stays as it was
         self._loaded_state = state.pop(STATE_KEY, None)
-        groups = state.get("param_groups")
-        if groups and isinstance(groups[0], dict) and STATE_KEY in groups[0]:  # torch.distributed.checkpoint's form
+        if resume.in_dcp_form(state):  # torch.distributed.checkpoint's form, or rank 0's after gather_state()
             state, self._loaded_state = resume.from_dcp(self, state)
         return state
 

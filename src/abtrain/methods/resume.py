@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -319,6 +319,18 @@ def dcp_template(method: Any, state: dict[str, Any]) -> None:
         if own not in parts and workers:
             own = worker_key(workers[0])
     state["param_groups"][0][STATE_KEY] = {SHARED: b"", own: b""}
+
+
+def in_dcp_form(state: Any) -> bool:
+    """Whether an optimizer's state_dict is in DCP's form (:func:`to_dcp`: torch.distributed.checkpoint's, or rank
+    0's after gather_state()), the method's parts in its first parameter group."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    return bool(groups) and isinstance(groups[0], Mapping) and STATE_KEY in groups[0]
+
+
+def shared_section(state: dict[str, Any]) -> dict[str, Any]:
+    """What every worker shares of the method's section of a state_dict in DCP's form (its name, the schedule)."""
+    return unpack(state["param_groups"][0][STATE_KEY][SHARED])
 
 
 def from_dcp(method: Any, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
