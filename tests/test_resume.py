@@ -255,6 +255,7 @@ def test_rank0_checkpoint_of_ab_says_what_it_gives_up(worlds):
     assert line[0].startswith("ab state of step 11, saved by rank 0 of 4 workers in groups of 2: a worker "
                               "resuming from it in place of its own gives up ")
     assert "the B-groups' optimizer state of B" in line[0]
+    assert line[0].endswith("or rank 0's file saved after method.gather_state() on every worker) resumes exactly")
 
 
 def test_gathered_file_in_another_layout_resumes_and_says_what_it_gives_up(worlds):
@@ -264,6 +265,7 @@ def test_gathered_file_in_another_layout_resumes_and_says_what_it_gives_up(world
     said = [[x for x in run["lines"] if "a worker resuming from it" in x] for run in runs]
     assert len(said[0]) == 1 and not said[1], said
     assert said[0][0].startswith("ab state of step 11, saved by rank 0 of 4 workers in groups of 2: ")
+    assert said[0][0].endswith("on every worker) in the layout that wrote it resumes exactly")
     assert all(run["steps"] == STEPS for run in runs) and _equal(runs[0]["weights"], runs[1]["weights"])
 
 

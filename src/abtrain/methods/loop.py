@@ -301,7 +301,7 @@ class LoopContract:
         self._just_restored = True
         self._resumed()
         if phrases and not (self._dcp_every_worker and writer.same_layout(self.topo)):  # a worker adopts another's
-            self.say(resume.resume_line(self.name, self.steps, writer, phrases))
+            self.say(resume.resume_line(self.name, self.steps, writer, phrases, writer.same_layout(self.topo)))
         self._dcp_every_worker = False
 
     def _arm_resume_check(self) -> None:
