@@ -390,12 +390,3 @@ class Attachment:
         else:
             self.method._unhook()
 
-
-def optimizer_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The optimizer's per-element state of ``params`` (SGD momentum, Adam's two moments), not scalars like ``step``."""
-    out = []
-    for p in params:
-        for value in optimizer.state.get(p, {}).values():
-            if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
-                out.append(value)
-    return out

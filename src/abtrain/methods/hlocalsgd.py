@@ -29,7 +29,7 @@ import torch
 from ..comm.communicator import Communicator
 from ..comm.topology import Topology
 from ..validate import Options, opt
-from .base import optimizer_moments
+from .memory import optimizer_moments
 from .periodic import PeriodicMethod
 from .resume import Writer
 from .registry import MethodSpec, register

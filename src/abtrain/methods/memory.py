@@ -139,3 +139,13 @@ def dense_training_state_bytes(params: int, moments: int, element_bytes: int = 4
     their gradients and ``moments`` per-element optimizer tensors, ``element_bytes`` each, and ``scalar_bytes``
     of the optimizer's per-tensor state (:func:`scalar_state_bytes`) for each tensor (no communication buffers)."""
     return params * element_bytes * (2 + moments) + tensors * scalar_bytes
+
+
+def optimizer_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The optimizer's per-element state of ``params`` (SGD momentum, Adam's two moments), not scalars like ``step``."""
+    out = []
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
+                out.append(value)
+    return out

@@ -17,7 +17,7 @@ from ...comm.communicator import Communicator
 from ...comm.group import Group
 from ...comm.topology import Topology
 from ...compress.wire import WIRE_DTYPES
-from ..base import optimizer_moments
+from ..memory import optimizer_moments
 from . import lowrank
 from .compressor import SyncCompressor
 from .config import TANGENT_CORES, ABConfig
