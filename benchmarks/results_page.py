@@ -504,15 +504,16 @@ def time_table(nets: list[SlowNet], walls: dict | None) -> str:
         notes.append("One machine: not measured on an idle machine yet (`benchmarks/wall_vs_ddp.py`).")
     for n in nets:
         d = n.data
-        first = d["seeds"][n.seeds[0]]
         share = " / ".join(f"{d['seeds'][s].get('ddp_link_share_measured', 0):.0%}" for s in n.seeds)
         notes.append(
             f"`{n.workload}` through {n.mbit} links between nodes, one per group of workers (DDP's run {share} "
-            f"link time), seeds "
-            f"{' / '.join(n.seeds)}: every method but DDP ran {first['steps_factor']:g}× DDP's steps, its "
-            "learning-rate schedule stretched over them; times are training seconds (wall less evaluations), to "
-            f"the first evaluation at least as good as DDP's final value (not interpolated); \"not reached\": not "
-            "within the longer run.")
+            f"link time), seeds {' / '.join(n.seeds)}: every method but DDP ran "
+            f"{d['seeds'][n.seeds[0]]['steps_factor']:g}× DDP's steps, its learning-rate schedule stretched over "
+            "them.")
+    if nets:
+        notes.append("Times on a slow network are training seconds (wall less evaluations), to the first "
+                     "evaluation at least as good as DDP's final value (not interpolated); \"not reached\": not "
+                     "within the longer run.")
     lines += [""] + para(" ".join(notes) + " Each seed, the bytes and the commands: "
                          "[`docs/results.md`](docs/results.md#time-to-ddps-result-where-the-network-is-slow).")
     return "\n".join(lines) + "\n"
