@@ -347,6 +347,9 @@ def test_rank0s_state_alone_resumes_every_worker(world):
     # right after a decomposition: every worker goes on, rank 0 says what the B-workers give up, one model at the end
     runs = [r["plain_again"] for r in world]
     assert len(runs[0]["gives_up"]) == 1 and "the B-groups' optimizer state of B" in runs[0]["gives_up"][0]
+    # the line names the checkpoint that resumes every worker exactly under Lightning, not one of a user's loop
+    assert runs[0]["gives_up"][0].endswith("(Lightning's checkpoint with AbtrainStrategy(gather_checkpoints=True), "
+                                           "the default) resumes exactly")
     for run in runs:
         assert run["start_step"] == 2 * STEPS_PER_EPOCH and run["t"] == STEPS
         assert all(torch.equal(run["export"][k], runs[0]["export"][k]) for k in runs[0]["export"])

@@ -163,6 +163,9 @@ class AbtrainStrategy(DDPStrategy):
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
         self.method = setup_method(self.method_name, total_steps=total, group_size=self.group_size,
                                    device=self.root_device.type, quiet=self.quiet, **self.options)
+        # a worker that adopted rank 0's state: rank 0's line names the checkpoint that resumes each exactly here
+        self.method.exact_resume = ("Lightning's checkpoint with AbtrainStrategy(gather_checkpoints=True), the "
+                                    "default")
         return self.method.prepare(module)
 
     def on_train_start(self) -> None:

@@ -112,6 +112,9 @@ class LoopContract:
     _held_loaded = False  # a model state_dict whose placeholders wait for the optimizer's state (DCP's form)
     _resume_check: Any = None  # the forward pre-hook that checks, at the next training forward, what was loaded
     _gathered: dict[str, bytes] | None = None  # rank 0: every worker's own part, gathered at this step
+    #: the checkpoints that resume every worker exactly, as rank 0's line names them when a worker adopts another's
+    #: state (a framework that checkpoints for the user names its own way)
+    exact_resume = resume.EXACT
 
     name: str
     averages_gradients: bool
@@ -301,7 +304,8 @@ class LoopContract:
         self._just_restored = True
         self._resumed()
         if phrases and not (self._dcp_every_worker and writer.same_layout(self.topo)):  # a worker adopts another's
-            self.say(resume.resume_line(self.name, self.steps, writer, phrases, writer.same_layout(self.topo)))
+            self.say(resume.resume_line(self.name, self.steps, writer, phrases, writer.same_layout(self.topo),
+                                        self.exact_resume))
         self._dcp_every_worker = False
 
     def _arm_resume_check(self) -> None:

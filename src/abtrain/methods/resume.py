@@ -174,14 +174,19 @@ def has_state(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> boo
     return any(torch.is_tensor(v) and v.numel() > 1 for p in params for v in optimizer.state.get(p, {}).values())
 
 
-def resume_line(method: str, steps: int, writer: Writer, phrases: list[str], same_layout: bool = True) -> str:
+#: the checkpoints of a user's loop that resume every worker exactly
+EXACT = ("per-rank files, torch.distributed.checkpoint, or rank 0's file saved after method.gather_state() on "
+         "every worker")
+
+
+def resume_line(method: str, steps: int, writer: Writer, phrases: list[str], same_layout: bool = True,
+                exact: str = EXACT) -> str:
     """Rank 0's one line: what a worker that resumes from another's state gives up, and what resumes exactly
-    (``same_layout``: the resuming world has the writer's layout)."""
+    (``exact``, the checkpoints that do; ``same_layout``: the resuming world has the writer's layout)."""
     where = "" if same_layout else " in the layout that wrote it"
     return (f"{method} state of step {steps}, saved by {writer.describe()}: a worker resuming from it in place of "
-            f"its own gives up {join_phrases(phrases)}; a worker that loads its own state (per-rank files, "
-            f"torch.distributed.checkpoint, or rank 0's file saved after method.gather_state() on every worker)"
-            f"{where} resumes exactly")
+            f"its own gives up {join_phrases(phrases)}; a worker that loads its own state ({exact}){where} "
+            f"resumes exactly")
 
 
 # -- the form torch.distributed.checkpoint gets --------------------------------------------------------------------
