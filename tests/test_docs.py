@@ -1,5 +1,6 @@
 """The pages a person reads stay true to the code: AB-training's options table has one row per option with its
-default, and every relative link of the README and docs/ (the notes included) leads to a file of the repository."""
+default, and every relative link of the README and docs/ (the notes included) leads to a file of the repository, and
+docs/benchmarks.md names every folder of stored reports."""
 
 import re
 from dataclasses import fields
@@ -65,3 +66,14 @@ def test_relative_links_of_the_pages_lead_to_files_of_the_repository():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def test_every_stored_report_folder_has_its_row_in_benchmarks_md():
+    """docs/benchmarks.md's "The stored reports" names each folder of docs/results/, with the command that wrote it,
+    and no folder that is not there."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = page.split("\n## The stored reports\n", 1)[1].split("\n## ", 1)[0]
+    named = {name for line in section.splitlines() if line.startswith("| `")
+             for name in re.findall(r"`([^`]+)`", line.split(" | ", 1)[0])}
+    stored = {p.name for p in (ROOT / "docs" / "results").iterdir() if p.is_dir()}
+    assert sorted(stored - named) == [] and sorted(named - stored) == []
