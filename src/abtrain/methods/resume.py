@@ -179,8 +179,7 @@ EXACT = ("per-rank files, torch.distributed.checkpoint, or rank 0's file saved a
          "every worker")
 
 
-def resume_line(method: str, steps: int, writer: Writer, phrases: list[str], same_layout: bool = True,
-                exact: str = EXACT) -> str:
+def resume_line(method: str, steps: int, writer: Writer, phrases: list[str], same_layout: bool, exact: str) -> str:
     """Rank 0's one line: what a worker that resumes from another's state gives up, and what resumes exactly
     (``exact``, the checkpoints that do; ``same_layout``: the resuming world has the writer's layout)."""
     where = "" if same_layout else " in the layout that wrote it"
