@@ -17,7 +17,8 @@ one of its workers counts, docs/bench.md), and its compute is about `none`'s wal
 communication; both in training seconds, below), so DDP's link share is B/R / (B/R + T). `--link-share S` picks R for a share S: it first runs
 `none` alone (OUT/rate/, seed of the first of --seeds), takes T from it and B from its results' `ddp_equivalent`
 (what DDP's fp32 all-reduce sends for those steps), and sets R = B / (T · S / (1 − S)), rounded to a whole
-Mbit/s. fashion-cnn at 20 Mbit/s: B = 1802 MB, T = 144 s, share 83 %.
+Mbit/s. The stored sweeps (docs/results/comm-bound-steps15-*): fashion-cnn at 20 Mbit/s, B = 1801 MB, T = 103 s,
+share 87 %; fashion-wide with --link-share 0.83, B = 11,252 MB, T = 86 s, 214 Mbit/s.
 
 Prints one table and writes OUT/comm_bound.json and OUT/table.md:
 
