@@ -18,7 +18,8 @@ communication; both in training seconds, below), so DDP's link share is B/R / (B
 `none` alone (OUT/rate/, seed of the first of --seeds), takes T from it and B from its results' `ddp_equivalent`
 (what DDP's fp32 all-reduce sends for those steps), and sets R = B / (T · S / (1 − S)), rounded to a whole
 Mbit/s. The stored sweeps (docs/results/comm-bound-steps15-*): fashion-cnn at 20 Mbit/s, B = 1801 MB, T = 103 s,
-share 87 %; fashion-wide with --link-share 0.83, B = 11,252 MB, T = 86 s, 214 Mbit/s.
+predicted share 87 % (measured 89 %); fashion-wide with --link-share 0.83, B = 11,252 MB, T = 86 s (the rate's
+run), 214 Mbit/s (measured shares 83 % and 86 %).
 
 Prints one table and writes OUT/comm_bound.json and OUT/table.md:
 
