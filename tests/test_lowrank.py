@@ -685,6 +685,62 @@ def test_map_state_through_an_orthonormal_frozen_factor_needs_no_pseudo_inverse(
         torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-9)
 
 
+def _moments_mapped_through_sqrt_factors(trained):
+    """exp_avg and exp_avg_sq of ``trained`` after 3 AdamW steps and a new decomposition (√σ split: the frozen
+    factor is not orthonormal, so the mapping takes its pseudo-inverse); the state dict itself is returned too."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 32)
+    (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
+    lr.decompose(fp, 6)
+    lr.set_trainable([fp], trained)
+    opt = torch.optim.AdamW([fp.A, fp.B, layer.bias], lr=0.01)
+    frozen = (fp.B if trained == "A" else fp.A).detach().clone()
+    for _ in range(3):
+        opt.zero_grad()
+        layer(torch.randn(8, 16)).pow(2).sum().backward()
+        opt.step()
+    lr.recompose(fp)
+    lr.decompose(fp, 4, optimizer=opt, moments_against=(trained, frozen))
+    return opt, fp, opt.state.get(fp.A if trained == "A" else fp.B, {})
+
+
+@pytest.mark.parametrize("trained", ["A", "B"])
+def test_map_state_takes_the_pseudo_inverse_in_float64_where_float32_does_not_converge(trained, monkeypatch):
+    """LAPACK's SVD can fail to converge in float32 on a nearly orthonormal factor (clustered singular values):
+    the mapping then takes the pseudo-inverse in float64, and moves the moments as float32 would have."""
+    _, _, want = _moments_mapped_through_sqrt_factors(trained)
+    pinv, dtypes = torch.linalg.pinv, []
+
+    def float32_fails(m, **kw):
+        dtypes.append(m.dtype)
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return pinv(m, **kw)
+
+    monkeypatch.setattr(torch.linalg, "pinv", float32_fails)
+    _, _, got = _moments_mapped_through_sqrt_factors(trained)
+    assert dtypes == [torch.float32, torch.float64]
+    assert got["exp_avg"].dtype == want["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(got["exp_avg"], want["exp_avg"], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-4, atol=1e-10)
+
+
+def test_map_state_restarts_a_factors_state_where_no_pseudo_inverse_converges(monkeypatch, caplog):
+    """No pseudo-inverse in either precision: the trained factor's state starts again (one warning), training
+    goes on; never an exception out of a decomposition."""
+    def fails(m, **kw):
+        raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "pinv", fails)
+    with caplog.at_level("WARNING"):
+        opt, fp, state = _moments_mapped_through_sqrt_factors("A")
+    assert not state and fp.A not in opt.state
+    assert "could not be carried into the new basis" in caplog.text and "starts again" in caplog.text
+    fp.A.grad = torch.ones_like(fp.A)
+    opt.step()
+    assert opt.state[fp.A]["exp_avg"].shape == fp.A.shape and torch.isfinite(fp.A).all()
+
+
 def test_map_state_of_a_mere_reparametrisation_changes_adam_moments_only_by_sign():
     torch.manual_seed(1)
     layer = nn.Linear(16, 32)

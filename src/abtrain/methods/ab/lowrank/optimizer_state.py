@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
 from .layers import Factor, FactorizedParam
+
+logger = logging.getLogger(__name__)
 
 
 def resize_state(optimizer: torch.optim.Optimizer, param: Tensor, *, factor: Factor, new_rank: int) -> None:
@@ -79,8 +82,13 @@ def map_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: 
         gram = rows @ rows.T
         orthonormal = bool((gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).abs().max()
                            < ORTHONORMAL_ATOL)
-    # rtol: directions the frozen factor does not span carry no gradient, and must not blow up rounding
-    inverse = f if orthonormal else torch.linalg.pinv(f.T, rtol=PINV_RTOL)  # (f^T)^+
+    inverse = f if orthonormal else _pinv(f.T)  # (f^T)^+
+    if inverse is None:
+        logger.warning("the optimizer state of %s's factor %s could not be carried into the new basis (no "
+                       "pseudo-inverse of the frozen %s x %s factor in float32 nor float64): it starts again",
+                       fp.name, factor, *f.shape)
+        reset_state(optimizer, [param])
+        return
     if factor == "A":  # frozen B₀: k×n, new B': r×n; T: k×r, applied on the right of the m×k moments
         t = inverse @ fp.B.detach().to(torch.float32).T
         expected = (fp.A.shape[0], f.shape[0])
@@ -93,6 +101,19 @@ def map_state(optimizer: torch.optim.Optimizer, fp: FactorizedParam, *, factor: 
             v = value.to(torch.float32)
             state[key] = (v @ op if factor == "A" else op @ v).to(value.dtype)
     resize_state(optimizer, param, factor=factor, new_rank=fp.rank)  # state of any other shape
+
+
+def _pinv(m: Tensor) -> Tensor | None:
+    """``m``'s pseudo-inverse in float32, else float64 (LAPACK's SVD can fail to converge in float32 where the
+    singular values cluster, as they do for a factor that is nearly but not quite orthonormal), else None.
+
+    rtol: directions the frozen factor does not span carry no gradient, and must not blow up rounding."""
+    for dtype in (torch.float32, torch.float64):
+        try:
+            return torch.linalg.pinv(m.to(dtype), rtol=PINV_RTOL).to(torch.float32)
+        except RuntimeError:  # LinAlgError (no convergence) is a RuntimeError
+            continue
+    return None
 
 
 def reset_state(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
