@@ -350,6 +350,25 @@ def test_updated_svd_is_refused_where_it_does_not_hold():
     assert lr.svd_update(fp, parts._replace(P=1.01 * parts.P)) is None  # parts that are not W
 
 
+@pytest.mark.parametrize("failing_call", [1, 2, 3])
+def test_updated_svd_leaves_it_to_the_full_svd_where_a_small_svd_does_not_converge(failing_call, monkeypatch):
+    """The update takes three small SVDs (the parts of P and Q outside the bases, the middle matrix); LAPACK
+    failing to converge on any of them gives None, so the caller takes W's full SVD, never an exception."""
+    fp = lr.prepare_model(_build(MLP))[0]
+    parts = _lowrank_sum(fp.m, fp.n, r=8, q=3)
+    fp.weight.data.copy_(parts.U @ parts.core @ parts.Vh + parts.P @ parts.Q.T)
+    svd, calls = torch.linalg.svd, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return svd(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "svd", fails_once)
+    assert lr.svd_update(fp, parts) is None and len(calls) == failing_call
+
+
 @pytest.mark.parametrize("r, q", [(14, 3), (16, 4), (10, 20)])
 def test_updated_svd_holds_where_r_plus_q_reaches_the_short_side(r, q):
     """r + q >= min(m, n) = 16: the part of P outside U has fewer directions than q; the update still gives

@@ -139,13 +139,13 @@ def svd_update(fp: FactorizedParam, parts: LowRankSum, rtol: float = UPDATE_RTOL
         return None  # W or its change holds inf or nan: the full SVD says so, as the divergence it is
     v = vh.T
     pu, qv = u.T @ p, vh @ q  # the parts of P and Q inside the bases
-    op, rp = _range(_orthogonal_part(p, u), torch.linalg.matrix_norm(p))
-    oq, rq = _range(_orthogonal_part(q, v), torch.linalg.matrix_norm(q))
-    middle = torch.cat([torch.cat([core + pu @ qv.T, pu @ rq.T], 1),
-                        torch.cat([rp @ qv.T, rp @ rq.T], 1)], 0)
     try:
+        op, rp = _range(_orthogonal_part(p, u), torch.linalg.matrix_norm(p))
+        oq, rq = _range(_orthogonal_part(q, v), torch.linalg.matrix_norm(q))
+        middle = torch.cat([torch.cat([core + pu @ qv.T, pu @ rq.T], 1),
+                            torch.cat([rp @ qv.T, rp @ rq.T], 1)], 0)
         uk, s, vkh = torch.linalg.svd(middle, full_matrices=False)
-    except RuntimeError as err:  # no convergence: the full SVD decides
+    except RuntimeError as err:  # no convergence (of any of the three small SVDs): the full SVD decides
         logger.info("updated SVD of %s failed (%s): full SVD instead", fp.name, err)
         return None
     new_u = torch.cat([u, op], 1) @ uk
