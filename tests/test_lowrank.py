@@ -670,47 +670,13 @@ def test_map_state_carries_momentum_into_the_new_basis(trained):
                               atol=1e-2)
 
 
-@pytest.mark.parametrize("trained", ["A", "B"])
-@pytest.mark.parametrize("split", ["sigma", "sqrt"])
-def test_map_state_through_an_orthonormal_frozen_factor_needs_no_pseudo_inverse(trained, split, monkeypatch):
-    """σ in the trained factor leaves the frozen one U or Vᵀ: its transpose is its pseudo-inverse, so both
-    ways map the moments alike; with √σ in both factors the check fails and the pseudo-inverse is taken."""
-    def mapped(orthonormal):
-        torch.manual_seed(0)
-        layer = nn.Linear(16, 32)
-        (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
-        lr.decompose(fp, 6, split=split, sigma_in=trained)
-        lr.set_trainable([fp], trained)
-        opt = torch.optim.AdamW([fp.A, fp.B, layer.bias], lr=0.01)
-        frozen = (fp.B if trained == "A" else fp.A).detach().clone()
-        for _ in range(3):
-            opt.zero_grad()
-            layer(torch.randn(8, 16)).pow(2).sum().backward()
-            opt.step()
-        lr.recompose(fp)
-        lr.decompose(fp, 4, split=split, sigma_in=trained, optimizer=opt, moments_against=(trained, frozen),
-                      frozen_orthonormal=orthonormal)
-        state = opt.state[fp.A if trained == "A" else fp.B]
-        return state["exp_avg"], state["exp_avg_sq"]
-
-    m0, v0 = mapped(False)
-    if split == "sigma":  # the transpose must serve: a pseudo-inverse would fail the test
-        monkeypatch.setattr(torch.linalg, "pinv", lambda *a, **k: pytest.fail("pinv of an orthonormal factor"))
-    m1, v1 = mapped(True)
-    if split == "sqrt":
-        assert torch.equal(m0, m1) and torch.equal(v0, v1)
-    else:
-        torch.testing.assert_close(m1, m0, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-9)
-
-
-def _moments_mapped_through_sqrt_factors(trained):
-    """exp_avg and exp_avg_sq of ``trained`` after 3 AdamW steps and a new decomposition (√σ split: the frozen
-    factor is not orthonormal, so the mapping takes its pseudo-inverse); the state dict itself is returned too."""
+def _mapped_moments(trained, split="sqrt", orthonormal=False):
+    """(optimizer, layer, ``trained``'s state) after 3 AdamW steps on factor ``trained`` and a new decomposition at
+    a smaller rank, its moments mapped against the frozen factor (``orthonormal``: map_state's argument)."""
     torch.manual_seed(0)
     layer = nn.Linear(16, 32)
     (fp,) = lr.prepare_model(nn.Sequential(layer), full_rank_patterns=())
-    lr.decompose(fp, 6)
+    lr.decompose(fp, 6, split=split, sigma_in=trained)
     lr.set_trainable([fp], trained)
     opt = torch.optim.AdamW([fp.A, fp.B, layer.bias], lr=0.01)
     frozen = (fp.B if trained == "A" else fp.A).detach().clone()
@@ -719,15 +685,34 @@ def _moments_mapped_through_sqrt_factors(trained):
         layer(torch.randn(8, 16)).pow(2).sum().backward()
         opt.step()
     lr.recompose(fp)
-    lr.decompose(fp, 4, optimizer=opt, moments_against=(trained, frozen))
+    lr.decompose(fp, 4, split=split, sigma_in=trained, optimizer=opt, moments_against=(trained, frozen),
+                  frozen_orthonormal=orthonormal)
     return opt, fp, opt.state.get(fp.A if trained == "A" else fp.B, {})
+
+
+@pytest.mark.parametrize("trained", ["A", "B"])
+@pytest.mark.parametrize("split", ["sigma", "sqrt"])
+def test_map_state_through_an_orthonormal_frozen_factor_needs_no_pseudo_inverse(trained, split, monkeypatch):
+    """σ in the trained factor leaves the frozen one U or Vᵀ: its transpose is its pseudo-inverse, so both
+    ways map the moments alike; with √σ in both factors the check fails and the pseudo-inverse is taken."""
+    _, _, state = _mapped_moments(trained, split, orthonormal=False)
+    m0, v0 = state["exp_avg"], state["exp_avg_sq"]
+    if split == "sigma":  # the transpose must serve: a pseudo-inverse would fail the test
+        monkeypatch.setattr(torch.linalg, "pinv", lambda *a, **k: pytest.fail("pinv of an orthonormal factor"))
+    _, _, state = _mapped_moments(trained, split, orthonormal=True)
+    m1, v1 = state["exp_avg"], state["exp_avg_sq"]
+    if split == "sqrt":
+        assert torch.equal(m0, m1) and torch.equal(v0, v1)
+    else:
+        torch.testing.assert_close(m1, m0, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.parametrize("trained", ["A", "B"])
 def test_map_state_takes_the_pseudo_inverse_in_float64_where_float32_does_not_converge(trained, monkeypatch):
     """LAPACK's SVD can fail to converge in float32 on a nearly orthonormal factor (clustered singular values):
     the mapping then takes the pseudo-inverse in float64, and moves the moments as float32 would have."""
-    _, _, want = _moments_mapped_through_sqrt_factors(trained)
+    _, _, want = _mapped_moments(trained)
     pinv, dtypes = torch.linalg.pinv, []
 
     def float32_fails(m, **kw):
@@ -737,7 +722,7 @@ def test_map_state_takes_the_pseudo_inverse_in_float64_where_float32_does_not_co
         return pinv(m, **kw)
 
     monkeypatch.setattr(torch.linalg, "pinv", float32_fails)
-    _, _, got = _moments_mapped_through_sqrt_factors(trained)
+    _, _, got = _mapped_moments(trained)
     assert dtypes == [torch.float32, torch.float64]
     assert got["exp_avg"].dtype == want["exp_avg"].dtype == torch.float32
     torch.testing.assert_close(got["exp_avg"], want["exp_avg"], rtol=1e-4, atol=1e-7)
@@ -752,7 +737,7 @@ def test_map_state_restarts_a_factors_state_where_no_pseudo_inverse_converges(mo
 
     monkeypatch.setattr(torch.linalg, "pinv", fails)
     with caplog.at_level("WARNING"):
-        opt, fp, state = _moments_mapped_through_sqrt_factors("A")
+        opt, fp, state = _mapped_moments("A")
     assert not state and fp.A not in opt.state
     assert "could not be carried into the new basis" in caplog.text and "starts again" in caplog.text
     fp.A.grad = torch.ones_like(fp.A)
